@@ -1,0 +1,118 @@
+"""`FedShardTrainingArguments`: `TrainingArguments` plus the federation settings, parsed by `HfArgumentParser`."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainingArguments
+
+from .mesh import FederationLayout
+
+logger = logging.getLogger(__name__)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+@dataclass
+class FedShardTrainingArguments(TrainingArguments):
+    """Training arguments for FL+FSDP / FL+HSDP.
+
+    Federation layout:
+        fed_group_size (`int`, *optional*): ranks per federation group (contiguous ranks, e.g. one node).
+            `None` or the world size means one group: plain FSDP/HSDP, no averaging.
+        fed_shard_size (`int`, *optional*): ranks sharding one model copy inside a group. `None` means the
+            group size (FL+FSDP); a divisor of it gives FL+HSDP with `fed_group_size // fed_shard_size`
+            replicas per group.
+
+    Averaging:
+        fed_sync_steps (`int`, defaults to 8): H, optimizer steps between two averagings (the paper's 8).
+        fed_average_optimizer_state (`bool`, defaults to `False`): also average the optimizer's moments;
+            off in the paper, and it doubles or triples the inter-group bytes with Adam.
+
+    Batch arithmetic: one optimizer step of one group sees
+    `per_device_train_batch_size × fed_group_size × gradient_accumulation_steps` samples (the *group batch*);
+    the world processes `num_groups` such batches per step.
+
+    Defaults that differ from `TrainingArguments` when a federation setting is given:
+        - no FSDP configured: FSDP2 is turned on, wrapping the model's `_no_split_modules`;
+        - no accelerator present: `use_cpu` is turned on, so that the ranks form a gloo process group;
+        - several groups: `average_tokens_across_devices` is turned off, since it is an all-gather over the
+          whole world (the slow tier) at every step; each rank normalises its loss by its own tokens.
+    """
+
+    fed_group_size: int | None = field(
+        default=None,
+        metadata={"help": "Ranks per federation group (e.g. GPUs per node). Default: the world (no federation)."},
+    )
+    fed_shard_size: int | None = field(
+        default=None,
+        metadata={"help": "Ranks sharding one model copy inside a group. Default: the group (FL+FSDP); "
+                  "a divisor of it gives FL+HSDP."},
+    )
+    fed_sync_steps: int = field(
+        default=8,
+        metadata={"help": "H: optimizer steps between two averagings of the model across groups."},
+    )
+    fed_average_optimizer_state: bool = field(
+        default=False,
+        metadata={"help": "Also average the optimizer's moments across groups (more inter-group bytes)."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.fed_sync_steps < 1:
+            raise ValueError(
+                f"fed_sync_steps={self.fed_sync_steps}: it must be at least 1. Set --fed_sync_steps to the "
+                "number of optimizer steps between averagings (the paper uses 8)."
+            )
+        layout = self.fed_layout  # validates the sizes against WORLD_SIZE before any process group exists
+        if self.fed_requested:
+            self._check_no_other_sharding()
+            if not torch.accelerator.is_available() and not self.use_cpu:
+                self.use_cpu = True
+                logger.info("hf_fedshard: no accelerator found, using the CPU with gloo (use_cpu=True).")
+            if not self.fsdp and not _env_flag("ACCELERATE_USE_FSDP"):
+                self.fsdp = True
+                self.fsdp_config = {**(self.fsdp_config or {}), "version": 2}
+                logger.info(
+                    "hf_fedshard: %s asked for and no FSDP configured: turning on FSDP2, wrapping the "
+                    "model's _no_split_modules.",
+                    layout.method,
+                )
+        if layout.federated:
+            self.average_tokens_across_devices = False
+        super().__post_init__()
+        if self.fed_requested:
+            self._check_fsdp_version()
+
+    @property
+    def fed_requested(self) -> bool:
+        """True when any federation setting is given (even one group of HSDP through `fed_shard_size`)."""
+        return self.fed_group_size is not None or self.fed_shard_size is not None
+
+    @property
+    def fed_layout(self) -> FederationLayout:
+        """The federation layout of this job (needs only the `WORLD_SIZE` environment variable)."""
+        return FederationLayout.from_env(self.fed_group_size, self.fed_shard_size)
+
+    def _check_no_other_sharding(self) -> None:
+        if self.deepspeed or _env_flag("ACCELERATE_USE_DEEPSPEED"):
+            raise ValueError(
+                "fed_group_size/fed_shard_size need FSDP2, but DeepSpeed is configured. Remove --deepspeed "
+                "(or use an accelerate config with distributed_type: FSDP and fsdp_version: 2)."
+            )
+
+    def _check_fsdp_version(self) -> None:
+        if self.fsdp_plugin_args is not None:
+            version = self.fsdp_plugin_args["fsdp_version"]
+        else:
+            version = int(os.environ.get("FSDP_VERSION", "1"))
+        if version != 2:
+            raise ValueError(
+                f"fed_group_size/fed_shard_size need FSDP2, but fsdp_version={version} is configured. Set "
+                "fsdp_version: 2 in the accelerate config (or fsdp_config={'version': 2})."
+            )

@@ -1,0 +1,103 @@
+"""FedAvg on shards: average each rank's local shards with the ranks holding the same shards in other groups.
+
+No full parameter is ever gathered: under FSDP2 every parameter is a DTensor and ``to_local()`` is this rank's
+shard; the ranks at the same (replica, shard) position of every group hold shards of identical shapes, so one
+all-reduce along the mesh's ``fed`` axis averages them. Sums are accumulated in fp32 (or wider) whatever the
+parameter dtype, and divided by the number of groups afterwards because gloo has no AVG reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup, ReduceOp, all_reduce
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+# Sync payloads are cut into buckets of this size so that averaging an 8B model does not need a second
+# fp32 copy of the whole local shard at once; one all-reduce per bucket.
+BUCKET_BYTES = 256 * 2**20
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: the local shard of a DTensor, the tensor itself otherwise."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters that the optimizer changes; frozen ones (a PEFT base model) are identical everywhere."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def model_state_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Local shards of what FedAvg averages: trainable parameters and floating persistent buffers.
+
+    FSDP2 units left unsharded by a forward without backward (an evaluation) are resharded first, so
+    that every parameter is its sharded DTensor again. Non-persistent buffers (e.g. rotary ``inv_freq``) are caches derived from the config, equal everywhere,
+    and integer buffers are counters, so neither is sent.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    tensors = [local_tensor(p) for p in trainable_parameters(model)]
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point() and name not in module._non_persistent_buffers_set:
+                tensors.append(local_tensor(buffer))
+    return tensors
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[torch.Tensor]:
+    """Local shards of the optimizer's per-parameter moments (e.g. Adam's ``exp_avg``, ``exp_avg_sq``)."""
+    state = getattr(optimizer, "optimizer", optimizer).state
+    tensors = []
+    for param in trainable_parameters(model):
+        for value in state.get(param, {}).values():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape:
+                tensors.append(local_tensor(value))
+    return tensors
+
+
+def _buckets(tensors: Iterable[torch.Tensor], bucket_bytes: int) -> Iterable[list[torch.Tensor]]:
+    """Consecutive runs of tensors sharing a device and accumulation dtype, each at most ``bucket_bytes``."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        if tensor.numel() == 0:
+            continue
+        nbytes = tensor.numel() * _accumulation_dtype(tensor).itemsize
+        same_kind = not bucket or (
+            _accumulation_dtype(bucket[0]) == _accumulation_dtype(tensor) and bucket[0].device == tensor.device
+        )
+        if bucket and (not same_kind or size + nbytes > bucket_bytes):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _accumulation_dtype(tensor: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
+@torch.no_grad()
+def average_across_groups(
+    tensors: Sequence[torch.Tensor], group: ProcessGroup, num_groups: int, bucket_bytes: int = BUCKET_BYTES
+) -> int:
+    """Replace every tensor (in place) by its mean over ``group``; return the payload bytes this rank sent.
+
+    All ranks of ``group`` must pass tensors of the same shapes and dtypes in the same order.
+    """
+    sent = 0
+    for bucket in _buckets(tensors, bucket_bytes):
+        flat = torch.cat([t.reshape(-1).to(_accumulation_dtype(t)) for t in bucket])
+        all_reduce(flat, op=ReduceOp.SUM, group=group)
+        flat.div_(num_groups)
+        sent += flat.numel() * flat.element_size()
+        for tensor, mean in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+            tensor.copy_(mean.view_as(tensor))
+    return sent

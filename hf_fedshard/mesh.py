@@ -1,0 +1,162 @@
+"""The federation layout: how the world of ranks splits into federation groups, and its device mesh.
+
+Vocabulary (as in torchtitan): an *axis* is a dimension of the device mesh, a *dim* is a tensor dimension.
+
+The world is a 3-axis mesh, rank = group × group_size + replica × shard_size + shard::
+
+    fed           (num_groups)   groups; FedAvg all-reduces local shards along this axis every H steps
+    dp_replicate  (replicas)     HSDP replicas inside one group; gradients all-reduced every step
+    dp_shard      (shard_size)   ranks that shard one copy of the model (FSDP2) inside one group
+
+Groups are blocks of contiguous ranks, so a group is one node (or a few) under the usual launchers, and
+the ``fed`` axis is the only one whose collectives cross the slow tier of the network.
+
+Accelerate reads the mesh through a :class:`FederatedParallelismConfig`: its FSDP axes are the group's
+(``dp_replicate``, ``dp_shard``), so ``fully_shard`` never sees the ``fed`` axis.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import Enum
+
+from accelerate import ParallelismConfig
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+class MeshAxis(str, Enum):
+    """Names of the mesh axes; the only place these strings are spelled (Accelerate's names where it has one)."""
+
+    FED = "fed"
+    REPLICATE = "dp_replicate"
+    SHARD = "dp_shard"
+    # Flattened axes that Accelerate looks up by name.
+    SHARD_CP = "dp_shard_cp"
+    DATA = "dp"
+    DATA_CP = "dp_cp"
+
+
+@dataclass(frozen=True)
+class FederationLayout:
+    """Sizes of the federation: validated on construction, before any process group exists.
+
+    Args:
+        world_size: number of ranks in the job.
+        group_size: ranks per federation group (``fed_group_size``); ``None`` means one group of the world.
+        shard_size: ranks sharding one model copy inside a group (``fed_shard_size``); ``None`` means the
+            whole group (FL+FSDP); smaller gives FL+HSDP with ``group_size // shard_size`` replicas.
+    """
+
+    world_size: int
+    group_size: int | None = None
+    shard_size: int | None = None
+
+    def __post_init__(self) -> None:
+        group = self.world_size if self.group_size is None else self.group_size
+        object.__setattr__(self, "group_size", group)
+        object.__setattr__(self, "shard_size", group if self.shard_size is None else self.shard_size)
+        if self.world_size < 1:
+            raise ValueError(f"WORLD_SIZE must be at least 1, got {self.world_size}.")
+        if not 1 <= group <= self.world_size or self.world_size % group:
+            raise ValueError(
+                f"fed_group_size={group} must divide the world size: WORLD_SIZE({self.world_size}) % "
+                f"fed_group_size({group}) = {self.world_size % group if group >= 1 else 'undefined'}. "
+                f"Set --fed_group_size to a divisor of {self.world_size} (e.g. the ranks per node)."
+            )
+        if not 1 <= self.shard_size <= group or group % self.shard_size:
+            raise ValueError(
+                f"fed_shard_size={self.shard_size} must divide the group size: fed_group_size({group}) % "
+                f"fed_shard_size({self.shard_size}) != 0. Set --fed_shard_size to a divisor of {group}, "
+                f"or leave it unset for FL+FSDP (shard over the whole group)."
+            )
+
+    @classmethod
+    def from_env(cls, group_size: int | None, shard_size: int | None) -> FederationLayout:
+        """Layout for the job this process belongs to; reads ``WORLD_SIZE`` so it needs no process group."""
+        return cls(int(os.environ.get("WORLD_SIZE", "1")), group_size, shard_size)
+
+    @property
+    def num_groups(self) -> int:
+        return self.world_size // self.group_size
+
+    @property
+    def replicas(self) -> int:
+        """HSDP replicas inside one group (1 for FL+FSDP)."""
+        return self.group_size // self.shard_size
+
+    @property
+    def federated(self) -> bool:
+        """True when more than one group averages; False is plain FSDP/HSDP."""
+        return self.num_groups > 1
+
+    @property
+    def method(self) -> str:
+        """The paper's name for this layout: FSDP, HSDP, FL+FSDP or FL+HSDP."""
+        inner = "HSDP" if self.replicas > 1 else "FSDP"
+        return f"FL+{inner}" if self.federated else inner
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.num_groups, self.replicas, self.shard_size)
+
+    def group_index(self, rank: int) -> int:
+        """Index of the federation group that ``rank`` belongs to."""
+        return rank // self.group_size
+
+    def describe(self) -> str:
+        """One line for the log, with the arithmetic that explains it."""
+        return (
+            f"{self.method}: WORLD_SIZE({self.world_size}) = groups({self.num_groups}) × "
+            f"replicas({self.replicas}) × shards({self.shard_size})"
+        )
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The world mesh (fed, dp_replicate, dp_shard) plus the flattened axes Accelerate looks up.
+
+        - ``mesh["fed"]``: the inter-group process group, used only for averaging.
+        - ``mesh["dp_replicate", "dp_shard_cp"]``: the group's FSDP2/HSDP mesh given to ``fully_shard``.
+        - ``mesh["dp"]``, ``mesh["dp_cp"]``: the group's data-parallel ranks (Accelerate's loss and metric axes).
+        """
+        mesh = init_device_mesh(
+            device_type, self.shape, mesh_dim_names=(MeshAxis.FED.value, MeshAxis.REPLICATE.value, MeshAxis.SHARD.value)
+        )
+        mesh[MeshAxis.SHARD.value]._flatten(MeshAxis.SHARD_CP.value)
+        in_group = (MeshAxis.REPLICATE.value, MeshAxis.SHARD.value)
+        mesh[in_group]._flatten(MeshAxis.DATA.value)
+        mesh[in_group]._flatten(MeshAxis.DATA_CP.value)
+        return mesh
+
+    def parallelism_config(self) -> FederatedParallelismConfig:
+        return FederatedParallelismConfig(
+            dp_replicate_size=self.replicas, dp_shard_size=self.shard_size, fed_size=self.num_groups
+        )
+
+
+@dataclass
+class FederatedParallelismConfig(ParallelismConfig):
+    """Accelerate's ``ParallelismConfig`` with one more axis, ``fed``, outside the FSDP axes.
+
+    ``dp_replicate_size`` and ``dp_shard_size`` describe one group, as Accelerate would for a job of that
+    group alone; ``total_size`` counts the groups so that it equals the world size.
+    """
+
+    fed_size: int = 1
+
+    @property
+    def total_size(self) -> int:
+        return self.fed_size * super().total_size
+
+    def build_device_mesh(self, device_type: str) -> DeviceMesh:
+        layout = FederationLayout(
+            world_size=self.total_size,
+            group_size=self.dp_replicate_size * self.dp_shard_size,
+            shard_size=self.dp_shard_size,
+        )
+        return layout.build_mesh(device_type)
+
+
+def fed_process_group(mesh: DeviceMesh) -> ProcessGroup:
+    """The process group of this rank's peers in the other groups (same replica and shard position)."""
+    return mesh.get_group(MeshAxis.FED.value)
