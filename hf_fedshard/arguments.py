@@ -51,8 +51,10 @@ class FedShardTrainingArguments(TrainingArguments):
     )
     fed_shard_size: int | None = field(
         default=None,
-        metadata={"help": "Ranks sharding one model copy inside a group. Default: the group (FL+FSDP); "
-                  "a divisor of it gives FL+HSDP."},
+        metadata={
+            "help": "Ranks sharding one model copy inside a group. Default: the group (FL+FSDP); "
+            "a divisor of it gives FL+HSDP."
+        },
     )
     fed_sync_steps: int = field(
         default=8,

@@ -35,8 +35,8 @@ def model_state_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Local shards of what FedAvg averages: trainable parameters and floating persistent buffers.
 
     FSDP2 units left unsharded by a forward without backward (an evaluation) are resharded first, so
-    that every parameter is its sharded DTensor again. Non-persistent buffers (e.g. rotary ``inv_freq``) are caches derived from the config, equal everywhere,
-    and integer buffers are counters, so neither is sent.
+    that every parameter is its sharded DTensor again. Non-persistent buffers (e.g. rotary ``inv_freq``)
+    are caches derived from the config, equal everywhere, and integer buffers are counters: neither is sent.
     """
     for module in model.modules():
         if isinstance(module, FSDPModule):

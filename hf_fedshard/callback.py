@@ -69,7 +69,13 @@ class FedAvgCallback(TrainerCallback):
         self._last_synced_step = state.global_step
 
     def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None, optimizer=None, **kwargs
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model=None,
+        optimizer=None,
+        **kwargs,
     ):
         due = state.global_step % self.sync_steps == 0
         if due or control.should_evaluate or control.should_training_stop:

@@ -77,9 +77,7 @@ class FedShardTrainer(Trainer):
 
     def _batch_arithmetic(self) -> str:
         group_batch = (
-            self.args.per_device_train_batch_size
-            * self.fed_layout.group_size
-            * self.args.gradient_accumulation_steps
+            self.args.per_device_train_batch_size * self.fed_layout.group_size * self.args.gradient_accumulation_steps
         )
         return (
             f"group batch = {self.args.per_device_train_batch_size} per device × {self.fed_layout.group_size} "

@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> None:
         with_kwargs=True,
     )
     trainer_cls = FedShardTrainer if script.trainer == "fed" else Trainer
-    trainer = trainer_cls(model=model, args=args, train_dataset=TokenDataset(script.num_samples),
-                          eval_dataset=TokenDataset(24))
+    trainer = trainer_cls(
+        model=model, args=args, train_dataset=TokenDataset(script.num_samples), eval_dataset=TokenDataset(24)
+    )
     recorder = Recorder()
     trainer.add_callback(recorder)
     trainer.train()
