@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import TrainingArguments
@@ -73,7 +75,7 @@ class FedShardTrainingArguments(TrainingArguments):
             )
         layout = self.fed_layout  # validates the sizes against WORLD_SIZE before any process group exists
         if self.fed_requested:
-            self._check_no_other_sharding()
+            self._check_sharding_backend()
             if not torch.accelerator.is_available() and not self.use_cpu:
                 self.use_cpu = True
                 logger.info("hf_fedshard: no accelerator found, using the CPU with gloo (use_cpu=True).")
@@ -88,8 +90,6 @@ class FedShardTrainingArguments(TrainingArguments):
         if layout.federated:
             self.average_tokens_across_devices = False
         super().__post_init__()
-        if self.fed_requested:
-            self._check_fsdp_version()
 
     @property
     def fed_requested(self) -> bool:
@@ -101,20 +101,27 @@ class FedShardTrainingArguments(TrainingArguments):
         """The federation layout of this job (needs only the `WORLD_SIZE` environment variable)."""
         return FederationLayout.from_env(self.fed_group_size, self.fed_shard_size)
 
-    def _check_no_other_sharding(self) -> None:
+    def _check_sharding_backend(self) -> None:
+        """Federation runs on FSDP2 only; say so before `TrainingArguments` sets up any process group."""
         if self.deepspeed or _env_flag("ACCELERATE_USE_DEEPSPEED"):
             raise ValueError(
                 "fed_group_size/fed_shard_size need FSDP2, but DeepSpeed is configured. Remove --deepspeed "
                 "(or use an accelerate config with distributed_type: FSDP and fsdp_version: 2)."
             )
-
-    def _check_fsdp_version(self) -> None:
-        if self.fsdp_plugin_args is not None:
-            version = self.fsdp_plugin_args["fsdp_version"]
-        else:
-            version = int(os.environ.get("FSDP_VERSION", "1"))
-        if version != 2:
+        version = self._requested_fsdp_version()
+        if version not in (None, 2):
             raise ValueError(
                 f"fed_group_size/fed_shard_size need FSDP2, but fsdp_version={version} is configured. Set "
                 "fsdp_version: 2 in the accelerate config (or fsdp_config={'version': 2})."
             )
+
+    def _requested_fsdp_version(self) -> int | None:
+        """The FSDP version asked for by the arguments or by `accelerate launch`; `None` if FSDP is off."""
+        if self.fsdp:
+            config = self.fsdp_config or {}
+            if isinstance(config, str):
+                config = json.loads(config) if config.startswith("{") else json.loads(Path(config).read_text())
+            return int(config.get("version", config.get("fsdp_version", 2)))
+        if _env_flag("ACCELERATE_USE_FSDP"):
+            return int(os.environ.get("FSDP_VERSION", "1"))
+        return None

@@ -1,0 +1,171 @@
+"""In-process checks of the federation settings: layout arithmetic, every error message, `--help`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from transformers import HfArgumentParser
+
+from hf_fedshard import FederatedParallelismConfig, FederationLayout, FedShardTrainingArguments
+
+from .launch import REPO
+
+
+@pytest.mark.parametrize(
+    ("world", "group", "shard", "shape", "method"),
+    [
+        (4, None, None, (1, 1, 4), "FSDP"),
+        (4, 4, 2, (1, 2, 2), "HSDP"),
+        (4, 2, None, (2, 1, 2), "FL+FSDP"),
+        (8, 4, 2, (2, 2, 2), "FL+HSDP"),
+        (2, 1, None, (2, 1, 1), "FL+FSDP"),
+        (512, 32, 4, (16, 8, 4), "FL+HSDP"),
+    ],
+)
+def test_layout_shapes(world, group, shard, shape, method):
+    layout = FederationLayout(world, group, shard)
+    assert layout.shape == shape
+    assert layout.method == method
+    assert layout.federated == (shape[0] > 1)
+    assert layout.describe().startswith(f"{method}: WORLD_SIZE({world}) = groups({shape[0]})")
+
+
+def test_group_index_is_contiguous_blocks():
+    layout = FederationLayout(8, 4, 2)
+    assert [layout.group_index(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_parallelism_config_counts_the_groups():
+    config = FederationLayout(8, 4, 2).parallelism_config()
+    assert isinstance(config, FederatedParallelismConfig)
+    assert (config.fed_size, config.dp_replicate_size, config.dp_shard_size) == (2, 2, 2)
+    assert config.total_size == 8
+    assert config.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
+
+
+@pytest.mark.parametrize(
+    ("world", "group", "shard", "message"),
+    [
+        (6, 4, None, r"fed_group_size=4 must divide the world size: WORLD_SIZE\(6\) % fed_group_size\(4\) = 2"),
+        (4, 8, None, r"fed_group_size=8 must divide the world size"),
+        (4, 0, None, r"fed_group_size=0 must divide the world size"),
+        (8, 4, 3, r"fed_shard_size=3 must divide the group size: fed_group_size\(4\) % fed_shard_size\(3\)"),
+        (8, 4, 0, r"fed_shard_size=0 must divide the group size"),
+    ],
+)
+def test_layout_errors_name_the_setting_and_the_fix(world, group, shard, message):
+    with pytest.raises(ValueError, match=message) as err:
+        FederationLayout(world, group, shard)
+    assert "Set --fed_" in str(err.value)
+
+
+@pytest.fixture
+def world4(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "FSDP_VERSION"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def make_args(tmp_path, **kwargs) -> FedShardTrainingArguments:
+    return FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none", **kwargs)
+
+
+def test_sync_steps_must_be_positive(tmp_path, world4):
+    with pytest.raises(ValueError, match=r"fed_sync_steps=0: it must be at least 1. Set --fed_sync_steps"):
+        make_args(tmp_path, fed_group_size=2, fed_sync_steps=0)
+
+
+def test_world_not_divisible_fails_in_arguments(tmp_path, world4):
+    with pytest.raises(ValueError, match=r"WORLD_SIZE\(4\) % fed_group_size\(3\) = 1"):
+        make_args(tmp_path, fed_group_size=3)
+
+
+def test_deepspeed_is_refused(tmp_path, world4, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match=r"need FSDP2, but DeepSpeed is configured"):
+        make_args(tmp_path, fed_group_size=2)
+
+
+def test_fsdp1_is_refused(tmp_path, world4):
+    with pytest.raises(ValueError, match=r"need FSDP2, but fsdp_version=1 is configured"):
+        make_args(tmp_path, fed_group_size=2, fsdp=True, fsdp_config={"version": 1})
+
+
+def test_fsdp1_from_accelerate_launch_is_refused(tmp_path, world4, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match=r"fsdp_version=1 is configured. Set fsdp_version: 2"):
+        make_args(tmp_path, fed_group_size=2)
+
+
+@pytest.fixture
+def world1(monkeypatch):
+    """A one-process world: `TrainingArguments` sets up its devices without waiting for other ranks."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "FSDP_VERSION"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_federation_setting_turns_fsdp2_on(tmp_path, world1):
+    args = make_args(tmp_path, fed_shard_size=1)
+    assert args.fsdp_plugin_args["fsdp_version"] == 2
+    assert args.use_cpu  # no accelerator on the test machine
+
+
+def test_several_groups_keep_token_counts_local(tmp_path, world4, monkeypatch):
+    # Stop before TrainingArguments sets up 4 ranks: the fields are final when its __post_init__ starts.
+    from transformers import TrainingArguments
+
+    monkeypatch.setattr(TrainingArguments, "__post_init__", lambda self: None)
+    args = make_args(tmp_path, fed_group_size=2)
+    assert args.average_tokens_across_devices is False
+    assert args.fsdp is True and args.fsdp_config == {"version": 2}
+
+
+def test_no_federation_leaves_training_arguments_alone(tmp_path, world1):
+    from transformers import TrainingArguments
+
+    args = make_args(tmp_path)
+    plain = TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    assert not args.fed_requested
+    assert args.fsdp_plugin_args is None and not args.use_cpu
+    assert args.average_tokens_across_devices == plain.average_tokens_across_devices
+
+
+def test_fields_parse_from_the_command_line(world1):
+    (args,) = HfArgumentParser(FedShardTrainingArguments).parse_args_into_dataclasses(
+        [
+            "--output_dir",
+            "x",
+            "--report_to",
+            "none",
+            "--fed_group_size",
+            "1",
+            "--fed_sync_steps",
+            "4",
+            "--fed_average_optimizer_state",
+            "true",
+        ]
+    )
+    assert (args.fed_group_size, args.fed_shard_size, args.fed_sync_steps) == (1, None, 4)
+    assert args.fed_average_optimizer_state is True
+
+
+def test_trainer_refuses_plain_training_arguments(tmp_path, world1):
+    from transformers import TrainingArguments
+
+    from hf_fedshard import FedShardTrainer
+
+    with pytest.raises(TypeError, match="needs FedShardTrainingArguments"):
+        FedShardTrainer(args=TrainingArguments(output_dir=str(tmp_path), report_to="none"))
+
+
+def test_help_documents_every_fed_setting():
+    code = "from transformers import HfArgumentParser; from hf_fedshard import FedShardTrainingArguments as A; "
+    code += "HfArgumentParser(A).parse_args(['--help'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    for name in ("--fed_group_size", "--fed_shard_size", "--fed_sync_steps", "--fed_average_optimizer_state"):
+        assert name in out
+    assert "H: optimizer steps between two averagings" in out
