@@ -42,7 +42,8 @@ class FedShardTrainingArguments(TrainingArguments):
 
     Defaults that differ from `TrainingArguments` when a federation setting is given:
         - no FSDP configured: FSDP2 is turned on, wrapping the model's `_no_split_modules`;
-        - no accelerator present: `use_cpu` is turned on, so that the ranks form a gloo process group;
+        - no accelerator present (and FSDP or a fed setting asked for): `use_cpu` is turned on, so that the
+          ranks form a gloo process group;
         - several groups: `average_tokens_across_devices` is turned off, since it is an all-gather over the
           whole world (the slow tier) at every step; each rank normalises its loss by its own tokens.
     """
@@ -76,9 +77,10 @@ class FedShardTrainingArguments(TrainingArguments):
         layout = self.fed_layout  # validates the sizes against WORLD_SIZE before any process group exists
         if self.fed_requested:
             self._check_sharding_backend()
-            if not torch.accelerator.is_available() and not self.use_cpu:
+        if (self.fed_requested or self._requested_fsdp_version()) and not torch.accelerator.is_available():
+            if not self.use_cpu:
                 self.use_cpu = True
-                logger.info("hf_fedshard: no accelerator found, using the CPU with gloo (use_cpu=True).")
+                logger.info("hf_fedshard: no accelerator found, FSDP2 runs on the CPU with gloo (use_cpu=True).")
             if not self.fsdp and not _env_flag("ACCELERATE_USE_FSDP"):
                 self.fsdp = True
                 self.fsdp_config = {**(self.fsdp_config or {}), "version": 2}

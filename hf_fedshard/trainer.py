@@ -11,6 +11,7 @@ from transformers import Trainer
 
 from .arguments import FedShardTrainingArguments
 from .callback import FedAvgCallback
+from .card import TrainingClock, write_card
 from .fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
 from .mesh import FederationLayout, fed_process_group
 
@@ -53,6 +54,9 @@ class FedShardTrainer(Trainer):
                 "Unfreeze some parameters (or attach a PEFT adapter) before building the trainer."
             )
         super().__init__(model, args, *pos, **kwargs)
+        self.clock = TrainingClock()
+        self.add_callback(self.clock)
+        self._card_kwargs: dict[str, Any] = {}
         if self.fed_layout.federated:
             self.fed_callback = FedAvgCallback(
                 fed_group=fed_process_group(self.fed_mesh),
@@ -97,3 +101,9 @@ class FedShardTrainer(Trainer):
         if self.fed_callback is not None and not any(k.startswith("eval_") for k in logs):
             logs.update(self.fed_callback.metrics())
         super().log(logs, start_time)
+
+    def create_model_card(self, **kwargs: Any) -> None:
+        # Trainer's draft card knows nothing of the federation; push_to_hub renders this one too.
+        self._card_kwargs.update({k: v for k, v in kwargs.items() if v is not None})
+        if self.is_world_process_zero():
+            write_card(self, self.clock, **self._card_kwargs)

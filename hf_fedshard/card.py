@@ -1,0 +1,170 @@
+"""The Hub model card of a run: metadata with the eval perplexity, a results table, training curves.
+
+Built with `huggingface_hub` (`ModelCardData`, `EvalResult`, `ModelCard.from_template`) from the trainer's
+own records (`state.log_history`, the federation counters), so the card shows measured figures only.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from transformers import TrainerCallback
+
+if TYPE_CHECKING:
+    from .trainer import FedShardTrainer
+
+TEMPLATE = Path(__file__).parent / "templates" / "modelcard.md"
+PLOT_NAME = "training_curves.png"
+PAPER_TITLE = "Accelerating Sharded Data Parallelism at Scale with Federated Learning"
+PAPER_BIBTEX = """@inproceedings{fedshard2026,
+  title     = {Accelerating Sharded Data Parallelism at Scale with Federated Learning},
+  booktitle = {Euro-Par 2026: Parallel Processing},
+  year      = {2026}
+}"""
+
+
+class TrainingClock(TrainerCallback):
+    """Wall-clock seconds since the start of training at every logged step, for plots against time."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+        self._start = time.perf_counter()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter() - self.seconds.get(state.global_step, 0.0)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # A step is stamped when first logged: an evaluation's own duration is not charged to its point.
+        self.seconds.setdefault(state.global_step, time.perf_counter() - self._start)
+
+
+def _last(history: list[dict], key: str) -> dict:
+    return next((entry for entry in reversed(history) if key in entry), {})
+
+
+def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> list[tuple[str, str]]:
+    """(quantity, value) rows of the card's results table, all read from the run's own records."""
+    args, layout, history = trainer.args, trainer.fed_layout, trainer.state.log_history
+    group_batch = args.per_device_train_batch_size * layout.group_size * args.gradient_accumulation_steps
+    samples_seen = trainer.state.global_step * group_batch * layout.num_groups
+    train, evaluation, fed = _last(history, "train_runtime"), _last(history, "eval_loss"), _last(history, "fed_syncs")
+    tokens = f" ({group_batch * tokens_per_sample:,} tokens)" if tokens_per_sample else ""
+    rows = [
+        ("Method", layout.method),
+        ("World size (ranks)", str(layout.world_size)),
+        ("Federation groups", str(layout.num_groups)),
+        ("Group size (ranks)", str(layout.group_size)),
+        ("Shard size (ranks)", str(layout.shard_size)),
+        ("H (optimizer steps between averagings)", str(args.fed_sync_steps) if layout.federated else "—"),
+        ("Group batch (samples per optimizer step)", f"{group_batch}{tokens}"),
+        ("Optimizer steps", str(trainer.state.global_step)),
+        ("Tokens seen (world)", f"{samples_seen * tokens_per_sample:,}" if tokens_per_sample else "—"),
+    ]
+    if "train_samples_per_second" in train and tokens_per_sample:
+        rows.append(("Train tokens/s (world)", f"{train['train_samples_per_second'] * tokens_per_sample:,.0f}"))
+    if evaluation:
+        rows += [("Final eval loss", f"{evaluation['eval_loss']:.4f}"),
+                 ("Final eval perplexity", f"{evaluation['eval_perplexity']:.2f}")]  # fmt: skip
+    if fed:
+        rows += [("Inter-group syncs", str(fed["fed_syncs"])),
+                 ("Inter-group bytes sent per rank", f"{fed['fed_inter_group_bytes']:,}")]  # fmt: skip
+    if "train_runtime" in train:
+        rows.append(("Training wall time (s)", f"{train['train_runtime']:.1f}"))
+    return rows
+
+
+def plot_curves(history: list[dict], seconds: dict[int, float], path: Path) -> None:
+    """Eval perplexity and training loss against optimizer step and against wall-clock seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {
+        "eval perplexity": [(e["step"], e["eval_perplexity"]) for e in history if "eval_perplexity" in e],
+        "training loss": [(e["step"], e["loss"]) for e in history if "loss" in e],
+    }
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), squeeze=False)
+    for row, (name, points) in enumerate(series.items()):
+        steps = [s for s, _ in points]
+        values = [v for _, v in points]
+        axes[row][0].plot(steps, values, marker="o" if row == 0 else None)
+        axes[row][0].set_xlabel("optimizer step")
+        timed = [(seconds[s], v) for s, v in points if s in seconds]
+        axes[row][1].plot([t for t, _ in timed], [v for _, v in timed], marker="o" if row == 0 else None)
+        axes[row][1].set_xlabel("wall-clock seconds")
+        for ax in axes[row]:
+            ax.set_ylabel(name)
+            ax.set_yscale("log" if row == 0 else "linear")
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_card(
+    trainer: FedShardTrainer,
+    dataset: str | None = None,
+    tokens_per_sample: int | None = None,
+    command: str | None = None,
+    model_name: str | None = None,
+    language: str | None = "en",
+    license: str | None = None,
+    tags: list[str] | str | None = None,
+    finetuned_from: str | None = None,
+    **_unused: Any,
+) -> ModelCard:
+    """The model card; accepts `Trainer.create_model_card`'s keywords so `push_to_hub` gets the same card."""
+    layout, history = trainer.fed_layout, trainer.state.log_history
+    evaluation = _last(history, "eval_perplexity")
+    method_tag = layout.method.lower().replace("+", "-")
+    extra_tags = [tags] if isinstance(tags, str) else list(tags or [])
+    eval_results = None
+    if evaluation:
+        eval_results = [
+            EvalResult(
+                task_type="text-generation",
+                task_name="Causal language modeling",
+                dataset_type=dataset or "unknown",
+                dataset_name=dataset or "unknown",
+                metric_type="perplexity",
+                metric_name="Perplexity",
+                metric_value=round(evaluation["eval_perplexity"], 4),
+            )
+        ]
+    name = model_name or Path(trainer.args.output_dir).name
+    data = ModelCardData(
+        language=language,
+        license=license,
+        library_name="transformers",
+        tags=["hf_fedshard", method_tag, "federated-averaging", "fsdp2", *extra_tags],
+        datasets=[dataset] if dataset else None,
+        base_model=finetuned_from,
+        model_name=name,
+        eval_results=eval_results,
+    )
+    return ModelCard.from_template(
+        data,
+        template_path=str(TEMPLATE),
+        model_name=name,
+        method=layout.method,
+        layout=layout.describe(),
+        world_size=layout.world_size,
+        rows=results_table(trainer, tokens_per_sample),
+        plot=PLOT_NAME,
+        command=command,
+        paper_title=PAPER_TITLE,
+        paper_bibtex=PAPER_BIBTEX,
+    )
+
+
+def write_card(trainer: FedShardTrainer, clock: TrainingClock | None, **kwargs: Any) -> Path:
+    """Write README.md (the card) and its plot into the output folder; call on the main process only."""
+    out = Path(trainer.args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_curves(trainer.state.log_history, clock.seconds if clock else {}, out / PLOT_NAME)
+    build_card(trainer, **kwargs).save(out / "README.md")
+    return out / "README.md"

