@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import TrainingArguments
 
+from .errors import ConfigError
 from .mesh import FederationLayout
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,13 @@ class FedShardTrainingArguments(TrainingArguments):
         fed_sync_steps (`int`, defaults to 8): H, optimizer steps between two averagings (the paper's 8).
         fed_average_optimizer_state (`bool`, defaults to `False`): also average the optimizer's moments;
             off in the paper, and it doubles or triples the inter-group bytes with Adam.
+
+    Fault tolerance (docs/fault_tolerance.md):
+        fed_timeout_s (`float`, *optional*): seconds an averaging waits for the other groups before it fails
+            with an error naming this setting. `None` keeps the world's `ddp_timeout` (30 minutes by default).
+        fed_auto_resume (`bool`, defaults to `False`): `train()` resumes from the latest complete checkpoint in
+            `output_dir` when there is one (and starts afresh otherwise), so that a job restarted by
+            `torchrun --max-restarts=N` continues where it stopped. Needs `save_strategy="steps"` or `"epoch"`.
 
     Batch arithmetic: one optimizer step of one group sees
     `per_device_train_batch_size × fed_group_size × gradient_accumulation_steps` samples (the *group batch*);
@@ -67,6 +75,20 @@ class FedShardTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "Also average the optimizer's moments across groups (more inter-group bytes)."},
     )
+    fed_timeout_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds an averaging waits for the other groups before failing with an error. "
+            "Default: the world's ddp_timeout."
+        },
+    )
+    fed_auto_resume: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume from the latest complete checkpoint in output_dir if there is one (for torchrun "
+            "--max-restarts): a restarted job continues where it stopped."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.fed_sync_steps < 1:
@@ -74,7 +96,20 @@ class FedShardTrainingArguments(TrainingArguments):
                 f"fed_sync_steps={self.fed_sync_steps}: it must be at least 1. Set --fed_sync_steps to the "
                 "number of optimizer steps between averagings (the paper uses 8)."
             )
+        if self.fed_timeout_s is not None and not self.fed_timeout_s > 0:
+            raise ConfigError(
+                f"fed_timeout_s={self.fed_timeout_s}: it must be a positive number of seconds. Set --fed_timeout_s "
+                "above the longest expected wait of one group for the others (or leave it unset)."
+            )
         layout = self.fed_layout  # validates the sizes against WORLD_SIZE before any process group exists
+        if layout.federated and 0 < self.max_steps < self.fed_sync_steps:
+            logger.warning(
+                "hf_fedshard: max_steps=%d < fed_sync_steps=%d: no averaging happens before the final one after "
+                "step %d. Lower --fed_sync_steps or raise --max_steps.",
+                self.max_steps,
+                self.fed_sync_steps,
+                self.max_steps,
+            )
         if self.fed_requested:
             self._check_sharding_backend()
         if (self.fed_requested or self._requested_fsdp_version()) and not torch.accelerator.is_available():
@@ -102,6 +137,21 @@ class FedShardTrainingArguments(TrainingArguments):
     def fed_layout(self) -> FederationLayout:
         """The federation layout of this job (needs only the `WORLD_SIZE` environment variable)."""
         return FederationLayout.from_env(self.fed_group_size, self.fed_shard_size)
+
+    def check_train_dataset_size(self, num_samples: int) -> None:
+        """Refuse a dataset smaller than the world's first step, which the sampler would pad with repeats.
+
+        Padding would feed some groups copies of other groups' samples in place of data of their own.
+        """
+        layout = self.fed_layout
+        world_batch = self.per_device_train_batch_size * layout.world_size * self.gradient_accumulation_steps
+        if num_samples < world_batch:
+            raise ConfigError(
+                f"train_dataset has {num_samples} samples, fewer than the world's first optimizer step: "
+                f"per_device_train_batch_size({self.per_device_train_batch_size}) × WORLD_SIZE({layout.world_size})"
+                f" × gradient_accumulation_steps({self.gradient_accumulation_steps}) = {world_batch}. Use a larger "
+                "dataset, or lower --per_device_train_batch_size or --gradient_accumulation_steps."
+            )
 
     def _check_sharding_backend(self) -> None:
         """Federation runs on FSDP2 only; say so before `TrainingArguments` sets up any process group."""

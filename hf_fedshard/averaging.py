@@ -84,17 +84,33 @@ def _accumulation_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.promote_types(tensor.dtype, torch.float32)
 
 
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when no tensor holds a NaN or an Inf (one device sync for the whole list)."""
+    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
 @torch.no_grad()
 def average_across_groups(
-    tensors: Sequence[torch.Tensor], group: ProcessGroup, num_groups: int, bucket_bytes: int = BUCKET_BYTES
+    tensors: Sequence[torch.Tensor],
+    group: ProcessGroup,
+    num_groups: int,
+    bucket_bytes: int = BUCKET_BYTES,
+    contribute: bool = True,
 ) -> int:
     """Replace every tensor (in place) by its mean over ``group``; return the payload bytes this rank sent.
 
-    All ranks of ``group`` must pass tensors of the same shapes and dtypes in the same order.
+    All ranks of ``group`` must pass tensors of the same shapes and dtypes in the same order. A rank with
+    ``contribute=False`` (its group diverged) adds zeros, not its values, and receives the mean of the others:
+    ``num_groups`` is then the number of contributing groups.
     """
     sent = 0
     for bucket in _buckets(tensors, bucket_bytes):
-        flat = torch.cat([t.reshape(-1).to(_accumulation_dtype(t)) for t in bucket])
+        if contribute:
+            flat = torch.cat([t.reshape(-1).to(_accumulation_dtype(t)) for t in bucket])
+        else:  # NaN × 0 is NaN: send true zeros
+            numel = sum(t.numel() for t in bucket)
+            flat = torch.zeros(numel, dtype=_accumulation_dtype(bucket[0]), device=bucket[0].device)
         all_reduce(flat, op=ReduceOp.SUM, group=group)
         flat.div_(num_groups)
         sent += flat.numel() * flat.element_size()

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import Enum
 
 from accelerate import ParallelismConfig
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, new_subgroups_by_enumeration
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -105,6 +106,10 @@ class FederationLayout:
         """Index of the federation group that ``rank`` belongs to."""
         return rank // self.group_size
 
+    def fed_peer_ranks(self) -> list[list[int]]:
+        """The ranks of each ``fed`` process group: one list per (replica, shard) position, one rank per group."""
+        return [[g * self.group_size + position for g in range(self.num_groups)] for position in range(self.group_size)]
+
     def describe(self) -> str:
         """One line for the log, with the arithmetic that explains it."""
         return (
@@ -157,6 +162,18 @@ class FederatedParallelismConfig(ParallelismConfig):
         return layout.build_mesh(device_type)
 
 
-def fed_process_group(mesh: DeviceMesh) -> ProcessGroup:
-    """The process group of this rank's peers in the other groups (same replica and shard position)."""
-    return mesh.get_group(MeshAxis.FED.value)
+def fed_process_group(mesh: DeviceMesh, layout: FederationLayout, timeout_s: float | None = None) -> ProcessGroup:
+    """The process group of this rank's peers in the other groups (same replica and shard position).
+
+    With ``timeout_s`` it is a new group with that timeout (every rank must call this, in the same order), so that
+    an averaging whose peers stopped answering fails within ``timeout_s`` instead of the world's ``ddp_timeout``.
+    """
+    if timeout_s is None:
+        return mesh.get_group(MeshAxis.FED.value)
+    group, _ = new_subgroups_by_enumeration(layout.fed_peer_ranks(), timeout=timedelta(seconds=timeout_s))
+    return group
+
+
+def group_process_group(mesh: DeviceMesh) -> ProcessGroup:
+    """The process group of every rank of this rank's federation group (fast tier): checkpoints, flags."""
+    return mesh.get_group(MeshAxis.DATA.value)

@@ -4,16 +4,37 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any
 
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import StateDictType
 from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, has_length, rotate_checkpoints
 
 from .arguments import FedShardTrainingArguments
 from .callback import FedAvgCallback
 from .card import TrainingClock, write_card
+from .checkpoint import (
+    atomic_checkpoint,
+    check_resumable,
+    group_dir,
+    latest_complete_checkpoint,
+    load_group_model,
+    load_group_optimizer,
+    read_counters,
+    save_group_model,
+    save_group_optimizer,
+    write_counters,
+    write_layout_record,
+)
 from .fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
-from .mesh import FederationLayout, fed_process_group
+from .mesh import FederationLayout, fed_process_group, group_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +57,10 @@ class FedShardTrainer(Trainer):
         fed_layout: the `FederationLayout` (groups, replicas, shards).
         fed_mesh: the world `DeviceMesh` (`fed`, `dp_replicate`, `dp_shard`), or `None` without federation.
         fed_callback: the `FedAvgCallback`, or `None` with one group.
+
+    Checkpoints of a federated run hold every group's own shards, are published atomically and resume exactly
+    (see `hf_fedshard.checkpoint` and docs/fault_tolerance.md); `save_model` exports the averaged global model
+    in the ordinary Hugging Face format.
     """
 
     def __init__(self, model=None, args: FedShardTrainingArguments | None = None, *pos, **kwargs) -> None:
@@ -59,10 +84,12 @@ class FedShardTrainer(Trainer):
         self._card_kwargs: dict[str, Any] = {}
         if self.fed_layout.federated:
             self.fed_callback = FedAvgCallback(
-                fed_group=fed_process_group(self.fed_mesh),
+                fed_group=fed_process_group(self.fed_mesh, self.fed_layout, args.fed_timeout_s),
                 num_groups=self.fed_layout.num_groups,
                 sync_steps=args.fed_sync_steps,
                 average_optimizer_state=args.fed_average_optimizer_state,
+                group=self._group_pg if self.fed_layout.group_size > 1 else None,
+                timeout_s=args.fed_timeout_s,
             )
             self.add_callback(self.fed_callback)
 
@@ -107,3 +134,146 @@ class FedShardTrainer(Trainer):
         self._card_kwargs.update({k: v for k, v in kwargs.items() if v is not None})
         if self.is_world_process_zero():
             write_card(self, self.clock, **self._card_kwargs)
+
+    # ---- Fault tolerance: resume, checkpoints, export ----
+
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs
+    ):
+        # Pick the checkpoint (fed_auto_resume) and refuse bad input on every rank before any collective.
+        if resume_from_checkpoint is None and self.args.fed_auto_resume:
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is not None and self.args.should_log:
+                logger.warning("hf_fedshard: fed_auto_resume: resuming from %s", resume_from_checkpoint)
+        elif resume_from_checkpoint is True and self.fed_callback is not None:
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir) or True
+        if self.fed_callback is not None and isinstance(resume_from_checkpoint, str):
+            check_resumable(resume_from_checkpoint, self.fed_layout, self.model)
+        if self.args.fed_requested and has_length(self.train_dataset):
+            self.args.check_train_dataset_size(len(self.train_dataset))
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
+    @property
+    def _group_pg(self) -> ProcessGroup:
+        """The ranks of this rank's federation group: each group checkpoints over its own ranks."""
+        return group_process_group(self.fed_mesh)
+
+    @property
+    def _group_index(self) -> int:
+        return self.fed_layout.group_index(self.args.process_index)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        # Trainer's FSDP save runs DCP over the world, where groups would write the same keys, and in place:
+        # here each group saves its own shards into a staging folder that is renamed once every rank is done.
+        if self.fed_callback is None:
+            return super()._save_checkpoint(model, trial)
+        step = self.state.global_step
+        diverged = self.fed_callback.diverged(self.fed_callback.payload(self.model, self.optimizer), step)
+        if diverged:
+            if self.args.should_log:
+                logger.warning(
+                    "hf_fedshard: checkpoint-%d not written: group(s) %s hold NaN/Inf (the next averaging restarts "
+                    "them from the others); the previous checkpoints stay the latest good ones.",
+                    step,
+                    diverged,
+                )
+            return
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        final_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        self._track_best_checkpoint(run_dir, step)
+        with atomic_checkpoint(final_dir, self.args.should_save) as staging:
+            self._save_federated_state(staging)
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final_dir)
+        if self.args.should_save:
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
+    def _track_best_checkpoint(self, run_dir: str, step: int) -> None:
+        """Trainer's bookkeeping of the best checkpoint, for a checkpoint that is published at the end."""
+        strategies = (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
+        best_step = self.state.best_global_step
+        if self.args.save_strategy in strategies and best_step:
+            best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
+            if best_step == step or os.path.exists(best_dir):
+                self.state.best_model_checkpoint = best_dir
+
+    def _save_federated_state(self, checkpoint: str) -> None:
+        """Everything needed to continue exactly, each group's shards in its own ``fed_group{g}`` folder."""
+        group = group_dir(checkpoint, self._group_index)
+        save_group_model(self.model, os.path.join(group, "model"), self._group_pg)
+        if not self.args.save_only_model:
+            self._save_optimizer_and_scheduler(checkpoint)
+            self._save_scaler(checkpoint)
+            self._save_rng_state(checkpoint)
+        os.makedirs(group, exist_ok=True)
+        write_counters(checkpoint, self._group_index, self.args.process_index, self.fed_callback.state_dict())
+        if self.args.should_save:
+            write_layout_record(checkpoint, self.fed_layout, self.model)
+            config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+            if config is not None:
+                config.save_pretrained(checkpoint)
+            self._save_trainer_state(checkpoint)
+
+    def _save_trainer_state(self, checkpoint: str) -> None:
+        """``trainer_state.json`` with the stateful callbacks, as Trainer writes it (the last file of a checkpoint)."""
+        for cb in [cb for cb in [*self.callback_handler.callbacks, self.control] if isinstance(cb, ExportableState)]:
+            name, cb_state = cb.__class__.__name__, cb.state()
+            if isinstance(self.state.stateful_callbacks[name], list):
+                self.state.stateful_callbacks[name].append(cb_state)
+            else:
+                self.state.stateful_callbacks[name] = cb_state
+        self.state.save_to_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # Groups' optimizer moments differ between averagings: each group saves its own, over its own ranks.
+        if self.fed_callback is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        directory = os.path.join(group_dir(output_dir, self._group_index), "optimizer")
+        save_group_optimizer(self.model, self.optimizer, directory, self._group_pg)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # Each rank reads its own group's shards and FedAvg counters.
+        if self.fed_callback is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        group = group_dir(resume_from_checkpoint, self._group_index)
+        load_group_model(model or self.model, os.path.join(group, "model"), self._group_pg)
+        counters = read_counters(resume_from_checkpoint, self._group_index, self.args.process_index)
+        self.fed_callback.load_state_dict(counters)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Each group reads its own optimizer state; a save_only_model checkpoint has none, as with Trainer.
+        if self.fed_callback is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        directory = os.path.join(group_dir(checkpoint, self._group_index), "optimizer")
+        if not os.path.isdir(directory):
+            return
+        load_group_optimizer(self.model, self.optimizer, directory, self._group_pg)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_best_model(self) -> None:
+        # The best checkpoint holds one copy per group: each group reloads its own.
+        if self.fed_callback is None:
+            return super()._load_best_model()
+        group = group_dir(self.state.best_model_checkpoint, self._group_index)
+        load_group_model(self.model, os.path.join(group, "model"), self._group_pg)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        # Export the global model in the Hugging Face format: average groups that drifted since the last
+        # averaging, and gather FSDP2's shards (Trainer writes nothing for FSDP2's default SHARDED_STATE_DICT).
+        if self.fed_callback is not None:
+            self.fed_callback.sync_if_stale(self.model, self.optimizer, self.state.global_step)
+        plugin = self.accelerator.state.fsdp_plugin if self.is_fsdp_enabled else None
+        if plugin is None or plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir or self.args.output_dir, state_dict=self.accelerator.get_state_dict(self.model))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

@@ -1,0 +1,220 @@
+"""Federated checkpoints: every group saves its own shards, and a checkpoint is complete or absent.
+
+Between two averagings the groups hold different models and optimizer moments, so each group writes its own
+copy with distributed checkpointing (DCP) over its own ranks: no rank gathers the full model, no traffic crosses
+the slow tier, and no two groups write the same keys (Accelerate's FSDP save runs DCP over the whole world,
+where they would). A federated ``checkpoint-N/`` holds::
+
+    fed_layout.json                   layout and model fingerprint: resuming elsewhere fails with one clear line
+    fed_group{g}/model/               DCP checkpoint of group g's model shards, written by group g's ranks only
+    fed_group{g}/optimizer/           DCP checkpoint of group g's optimizer state
+    fed_group{g}/fedavg_rank{r}.json  FedAvg counters of rank r (syncs, bytes sent, last averaged step, ...)
+    config.json, scheduler.pt, rng_state_{r}.pth, trainer_state.json   Trainer's own files
+
+Everything is written into ``tmp-checkpoint-N/`` and renamed to ``checkpoint-N/`` once every rank has finished,
+so a job killed while saving leaves the previous checkpoints intact and no ``checkpoint-N`` that looks complete
+(Trainer's ``get_last_checkpoint`` and `latest_complete_checkpoint` only see ``checkpoint-N`` names).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .errors import ConfigError
+from .mesh import FederationLayout
+
+FED_LAYOUT_NAME = "fed_layout.json"
+STAGING_PREFIX = "tmp-"
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+def group_dir(checkpoint: str | Path, group_index: int) -> str:
+    """The folder of one group's files inside a checkpoint."""
+    return os.path.join(checkpoint, f"fed_group{group_index}")
+
+
+def latest_complete_checkpoint(output_dir: str | Path) -> str | None:
+    """The ``checkpoint-N`` with the highest N that holds ``trainer_state.json`` (written last), or ``None``.
+
+    Federated checkpoints appear by rename only when complete; the file test also skips a plain Trainer
+    checkpoint whose job died while writing it.
+    """
+    if not os.path.isdir(output_dir):
+        return None
+    steps = [
+        (int(match.group(1)), name)
+        for name in os.listdir(output_dir)
+        if (match := _CHECKPOINT_RE.match(name)) and os.path.isfile(os.path.join(output_dir, name, TRAINER_STATE_NAME))
+    ]
+    return os.path.join(output_dir, max(steps)[1]) if steps else None
+
+
+def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer under Accelerate's wrapper (DCP's helpers step it to initialise empty state)."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def save_group_model(model: nn.Module, directory: str, group: ProcessGroup) -> None:
+    """Write this group's model shards with DCP; every rank of ``group`` (and only those) must call it."""
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=directory, process_group=group)
+
+
+def load_group_model(model: nn.Module, directory: str, group: ProcessGroup) -> None:
+    """Read this group's model shards in place; every rank of ``group`` must call it."""
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=directory, process_group=group)
+    set_model_state_dict(model, state["model"])
+
+
+def save_group_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, group: ProcessGroup
+) -> None:
+    """Write this group's optimizer state (sharded like its parameters) with DCP."""
+    state = get_optimizer_state_dict(model, _unwrap_optimizer(optimizer))
+    dcp.save({"optimizer": state}, checkpoint_id=directory, process_group=group)
+
+
+def load_group_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, group: ProcessGroup
+) -> None:
+    """Read this group's optimizer state in place."""
+    optimizer = _unwrap_optimizer(optimizer)
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=directory, process_group=group)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def model_fingerprint(model: nn.Module) -> dict[str, Any]:
+    """What must match to resume: the model type, its parameter count and a hash of every name and global shape.
+
+    Names and shapes are the same before and after FSDP2 sharding (a DTensor reports its global shape).
+    """
+    shapes = sorted((name, tuple(p.shape)) for name, p in model.named_parameters())
+    config = getattr(model, "config", None)
+    return {
+        "model_type": getattr(config, "model_type", type(model).__name__),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "shapes_sha256": hashlib.sha256(repr(shapes).encode()).hexdigest()[:16],
+    }
+
+
+def layout_record(layout: FederationLayout, model: nn.Module) -> dict[str, Any]:
+    """The content of ``fed_layout.json``."""
+    return {
+        "method": layout.method,
+        "world_size": layout.world_size,
+        "fed_group_size": layout.group_size,
+        "fed_shard_size": layout.shard_size,
+        "num_groups": layout.num_groups,
+        "model": model_fingerprint(model),
+    }
+
+
+def write_layout_record(checkpoint: str, layout: FederationLayout, model: nn.Module) -> None:
+    with open(os.path.join(checkpoint, FED_LAYOUT_NAME), "w") as f:
+        json.dump(layout_record(layout, model), f, indent=2)
+
+
+def check_resumable(checkpoint: str, layout: FederationLayout, model: nn.Module) -> None:
+    """Raise `ConfigError` unless ``checkpoint`` was written by a run of this layout and model.
+
+    Reads one small file and no collective, so every rank raises the same error and none waits for the others.
+    """
+    path = os.path.join(checkpoint, FED_LAYOUT_NAME)
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"resume_from_checkpoint={checkpoint} has no {FED_LAYOUT_NAME}: it was not written by a federated "
+            f"FedShardTrainer run, and this run is {layout.describe()}. Resume from a checkpoint of this run's "
+            "output_dir, or start without resume_from_checkpoint."
+        )
+    with open(path) as f:
+        saved = json.load(f)
+    check_layout_matches(saved, layout, checkpoint)
+    check_model_matches(saved["model"], model_fingerprint(model), checkpoint)
+
+
+def check_layout_matches(saved: dict[str, Any], layout: FederationLayout, checkpoint: str) -> None:
+    """Each group's shards only fit the same groups: same world, group and shard sizes."""
+    now = (layout.world_size, layout.group_size, layout.shard_size)
+    then = (saved["world_size"], saved["fed_group_size"], saved["fed_shard_size"])
+    if now != then:
+        raise ConfigError(
+            f"resume_from_checkpoint={checkpoint} was written with fed_group_size={then[1]}, "
+            f"fed_shard_size={then[2]} on WORLD_SIZE={then[0]}, but this run has fed_group_size={now[1]}, "
+            f"fed_shard_size={now[2]} on WORLD_SIZE={now[0]}. Relaunch on {then[0]} ranks with --fed_group_size "
+            f"{then[1]} --fed_shard_size {then[2]}, or use another output_dir."
+        )
+
+
+def check_model_matches(saved: dict[str, Any], current: dict[str, Any], checkpoint: str) -> None:
+    if saved != current:
+        raise ConfigError(
+            f"resume_from_checkpoint={checkpoint} holds a different model: {saved['model_type']} with "
+            f"{saved['parameters']:,} parameters (shapes {saved['shapes_sha256']}), but this run trains "
+            f"{current['model_type']} with {current['parameters']:,} (shapes {current['shapes_sha256']}). Build "
+            "the model from the checkpoint's config.json, or use another output_dir."
+        )
+
+
+def write_counters(checkpoint: str, group_index: int, rank: int, counters: dict[str, Any]) -> None:
+    with open(os.path.join(group_dir(checkpoint, group_index), f"fedavg_rank{rank}.json"), "w") as f:
+        json.dump(counters, f)
+
+
+def read_counters(checkpoint: str, group_index: int, rank: int) -> dict[str, Any]:
+    with open(os.path.join(group_dir(checkpoint, group_index), f"fedavg_rank{rank}.json")) as f:
+        return json.load(f)
+
+
+def _remove_staging_folders(run_dir: str) -> None:
+    """Delete what jobs killed while saving left behind (no other save can be running: all ranks are here)."""
+    for name in os.listdir(run_dir):
+        if name.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_checkpoint(final_dir: str, is_writer: bool) -> Iterator[str]:
+    """Yield a staging folder for every rank to write into; publish it as ``final_dir`` when all are done.
+
+    ``is_writer`` (Trainer's ``should_save``) prepares and renames, on the shared file system that DCP needs.
+    A collective over the world: the barriers make the rename wait for the slowest rank's last byte.
+    """
+    run_dir, name = os.path.split(final_dir)
+    staging = os.path.join(run_dir, STAGING_PREFIX + name)
+    if is_writer:
+        os.makedirs(run_dir, exist_ok=True)
+        _remove_staging_folders(run_dir)
+        os.makedirs(staging)
+    dist.barrier()
+    yield staging
+    dist.barrier()
+    if is_writer:
+        if os.path.isdir(final_dir):  # the same step saved again (a rerun in this output_dir)
+            shutil.rmtree(final_dir)
+        os.rename(staging, final_dir)
+    dist.barrier()
