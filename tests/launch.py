@@ -25,11 +25,19 @@ SGD = [
 ]  # fmt: skip
 
 
-def torchrun(nproc: int, script: str | Path, args: list[str], timeout_s: float = 240) -> subprocess.CompletedProcess:
-    """Run ``script`` on ``nproc`` local CPU ranks; raise ``TimeoutError`` (after killing it) on a hang."""
+def torchrun(
+    nproc: int, script: str | Path, args: list[str], timeout_s: float = 240, max_restarts: int = 0
+) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nproc`` local CPU ranks; raise ``TimeoutError`` (after killing it) on a hang.
+
+    With ``max_restarts``, torchrun restarts the whole job after a failure; its rendezvous store is then not
+    shared with the workers, whose restarted process groups would otherwise read the dead ones' addresses
+    (pytorch/pytorch#135712), as docs/fault_tolerance.md tells users to do.
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), *map(str, args)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+           f"--max-restarts={max_restarts}", str(script), *map(str, args)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1" if max_restarts else "0"}  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:
@@ -41,10 +49,10 @@ def torchrun(nproc: int, script: str | Path, args: list[str], timeout_s: float =
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
-def train_tiny(nproc: int, out_dir: Path, args: list[str], timeout_s: float = 240) -> list[dict]:
+def train_tiny(nproc: int, out_dir: Path, args: list[str], timeout_s: float = 240, max_restarts: int = 0) -> list[dict]:
     """Run tests/scripts/train_tiny.py and load every rank's dump."""
     dump = out_dir / "dump"
     result = torchrun(nproc, SCRIPTS / "train_tiny.py",
-                      ["--output_dir", out_dir, "--dump_dir", dump, *SGD, *args], timeout_s)  # fmt: skip
+                      ["--output_dir", out_dir, "--dump_dir", dump, *SGD, *args], timeout_s, max_restarts)  # fmt: skip
     assert result.returncode == 0, result.stdout[-6000:]
     return [torch.load(dump / f"rank{r}.pt", weights_only=False) for r in range(nproc)]

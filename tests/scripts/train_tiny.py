@@ -7,12 +7,23 @@ Launched by the tests with torchrun (gloo, CPU):
 
 Each rank writes ``rank{R}.pt``: log history, sample indices read, per-step checksums of its local shards,
 DTensor placements and mesh shape, the full (group-gathered) parameters and its local shards at the end.
+
+Faults for the reliability tests fire on the first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), so that a
+job restarted by ``torchrun --max-restarts`` runs clean:
+
+    --kill_at_step 5 --fault_rank 1            SIGKILL rank 1 as step 5 begins
+    --kill_while_saving_step 4 --fault_rank 1  SIGKILL rank 1 after it wrote its shards of checkpoint-4
+    --sleep_group 1 --sleep_at_step 2          group 1 sleeps --sleep_s seconds as step 2 begins
+    --nan_at 3:1 5:0,1                         a NaN in group 1's first shard after step 3, in both after 5
 """
 
 from __future__ import annotations
 
+import math
 import os
+import signal
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +43,18 @@ class ScriptArguments:
     trainer: str = field(default="fed", metadata={"help": "fed: FedShardTrainer; plain: transformers.Trainer."})
     num_samples: int = field(default=64, metadata={"help": "Training samples (sample i starts with token i)."})
     freeze_all: bool = field(default=False, metadata={"help": "Freeze every parameter (error case)."})
+    export_dir: str | None = field(default=None, metadata={"help": "save_model() here after training."})
+    fault_rank: int = field(default=1, metadata={"help": "Rank that --kill_* faults kill."})
+    kill_at_step: int | None = field(default=None, metadata={"help": "SIGKILL fault_rank as this step begins."})
+    kill_while_saving_step: int | None = field(
+        default=None, metadata={"help": "SIGKILL fault_rank after it wrote its shards of this checkpoint."}
+    )
+    sleep_group: int | None = field(default=None, metadata={"help": "Federation group that sleeps."})
+    sleep_at_step: int = field(default=2, metadata={"help": "Step at whose beginning sleep_group sleeps."})
+    sleep_s: float = field(default=90.0, metadata={"help": "Seconds sleep_group sleeps."})
+    nan_at: list[str] = field(
+        default_factory=list, metadata={"help": "STEP:GROUPS events, e.g. 3:1 5:0,1: a NaN in those groups after STEP."}
+    )
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -77,9 +100,55 @@ class Recorder(TrainerCallback):
 
     def __init__(self) -> None:
         self.checksums: dict[int, float] = {}
+        self.started_at_step: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started_at_step = state.global_step
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.checksums[state.global_step] = local_checksum(model)
+
+
+def first_attempt() -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+class Faults(TrainerCallback):
+    """Test-only faults at given steps (first attempt only); runs after FedAvgCallback."""
+
+    def __init__(self, script: ScriptArguments, rank: int, group: int) -> None:
+        self.script, self.rank, self.group = script, rank, group
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        step = state.global_step + 1
+        if not first_attempt():
+            return
+        if step == self.script.kill_at_step and self.rank == self.script.fault_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == self.script.sleep_at_step and self.group == self.script.sleep_group:
+            time.sleep(self.script.sleep_s)
+
+    @torch.no_grad()
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        events = dict(event.split(":") for event in self.script.nan_at)
+        groups = {int(g) for g in events.get(str(state.global_step), "").split(",") if g}
+        first_rank_of_group = self.rank % (args.fed_group_size or args.world_size) == 0
+        if self.group in groups and first_rank_of_group:
+            param = next(model.parameters())
+            (param.to_local() if isinstance(param, DTensor) else param).view(-1)[0] = math.nan
+
+
+class SaveKillingTrainer(FedShardTrainer):
+    """Test-only: SIGKILLs one rank right after it wrote its shards of one checkpoint, before it is complete."""
+
+    def __init__(self, *args, kill_step: int, kill_rank: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kill_step, self.kill_rank = kill_step, kill_rank
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if first_attempt() and self.state.global_step == self.kill_step and self.args.process_index == self.kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,13 +162,20 @@ def main(argv: list[str] | None = None) -> None:
         lambda _m, _a, kw: seen.extend(kw["input_ids"][:, 0].tolist()) if model.training else None,
         with_kwargs=True,
     )
-    trainer_cls = FedShardTrainer if script.trainer == "fed" else Trainer
-    trainer = trainer_cls(
-        model=model, args=args, train_dataset=TokenDataset(script.num_samples), eval_dataset=TokenDataset(24)
-    )
+    kwargs = {"train_dataset": TokenDataset(script.num_samples), "eval_dataset": TokenDataset(24)}
+    if script.kill_while_saving_step is not None:
+        trainer = SaveKillingTrainer(
+            model, args, kill_step=script.kill_while_saving_step, kill_rank=script.fault_rank, **kwargs
+        )
+    else:
+        trainer = (FedShardTrainer if script.trainer == "fed" else Trainer)(model=model, args=args, **kwargs)
     recorder = Recorder()
     trainer.add_callback(recorder)
-    trainer.train()
+    if isinstance(trainer, FedShardTrainer):
+        trainer.add_callback(Faults(script, args.process_index, trainer.fed_layout.group_index(args.process_index)))
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if script.export_dir is not None:
+        trainer.save_model(script.export_dir)
     metrics = trainer.evaluate()
     for module in trainer.model.modules():  # evaluation leaves the no-reshard tail unsharded
         if isinstance(module, FSDPModule):
@@ -110,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
         "eval": metrics,
         "seen": seen,
         "checksums": recorder.checksums,
+        "started_at_step": recorder.started_at_step,
+        "fed_counters": trainer.fed_callback.state_dict() if getattr(trainer, "fed_callback", None) else None,
         "is_dtensor": [isinstance(p, DTensor) for p in trainer.model.parameters()],
         "placements": [str(pl) for pl in param.placements] if isinstance(param, DTensor) else None,
         "mesh_shape": list(param.device_mesh.shape) if isinstance(param, DTensor) else None,

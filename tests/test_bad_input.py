@@ -1,0 +1,144 @@
+"""The bad-input table of the fault-tolerance settings: each case and the one line it must produce, in-process.
+
+Every check here reads only local files and settings (no collective), so each rank of a job raises the same
+error on its own and none waits for the others; `test_reliability` runs the trainer-level ones on 4 ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+from hf_fedshard import FederationLayout, FedShardTrainingArguments
+from hf_fedshard.checkpoint import check_resumable, latest_complete_checkpoint, write_layout_record
+from hf_fedshard.errors import ConfigError
+
+
+def llama(hidden_size: int = 32) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=64, hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def saved_checkpoint(tmp_path, layout: FederationLayout, model) -> str:
+    """A checkpoint folder holding only the record `check_resumable` reads."""
+    write_layout_record(str(tmp_path), layout, model)
+    return str(tmp_path)
+
+
+FL_FSDP_4 = FederationLayout(4, 2)  # 2 groups × 2 shards
+
+
+@pytest.mark.parametrize(
+    ("case", "saved_layout", "saved_hidden", "run_layout", "run_hidden", "message"),
+    [
+        (
+            "another group size",
+            FL_FSDP_4, 32, FederationLayout(4, 4), 32,
+            r"was written with fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=4, but this run has "
+            r"fed_group_size=4, fed_shard_size=4 on WORLD_SIZE=4\. Relaunch on 4 ranks with --fed_group_size 2 "
+            r"--fed_shard_size 2, or use another output_dir",
+        ),
+        (
+            "another shard size (FL+HSDP)",
+            FederationLayout(8, 4, 2), 32, FederationLayout(8, 4, 4), 32,
+            r"was written with fed_group_size=4, fed_shard_size=2 on WORLD_SIZE=8, but this run has "
+            r"fed_group_size=4, fed_shard_size=4 on WORLD_SIZE=8\. Relaunch on 8 ranks with --fed_group_size 4 "
+            r"--fed_shard_size 2",
+        ),
+        (
+            "another world size",
+            FL_FSDP_4, 32, FederationLayout(8, 2), 32,
+            r"was written with fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=4, but this run has "
+            r"fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=8\. Relaunch on 4 ranks",
+        ),
+        (
+            "another model",
+            FL_FSDP_4, 32, FL_FSDP_4, 64,
+            r"holds a different model: llama with [\d,]+ parameters \(shapes \w+\), but this run trains llama "
+            r"with [\d,]+ \(shapes \w+\)\. Build the model from the checkpoint's config\.json",
+        ),
+    ],
+)  # fmt: skip
+def test_resuming_elsewhere_fails_with_one_line(
+    tmp_path, case, saved_layout, saved_hidden, run_layout, run_hidden, message
+):
+    checkpoint = saved_checkpoint(tmp_path, saved_layout, llama(saved_hidden))
+    with pytest.raises(ConfigError, match=rf"^resume_from_checkpoint={checkpoint} {message}") as err:
+        check_resumable(checkpoint, run_layout, llama(run_hidden))
+    assert "\n" not in str(err.value), case
+
+
+def test_same_layout_and_model_resume(tmp_path):
+    check_resumable(saved_checkpoint(tmp_path, FL_FSDP_4, llama()), FL_FSDP_4, llama())
+
+
+def test_a_plain_trainer_checkpoint_is_refused(tmp_path):
+    (tmp_path / "trainer_state.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"has no fed_layout\.json: it was not written by a federated"):
+        check_resumable(str(tmp_path), FL_FSDP_4, llama())
+
+
+def test_latest_complete_checkpoint_skips_partial_ones(tmp_path):
+    assert latest_complete_checkpoint(tmp_path / "missing") is None
+    for name in ("checkpoint-2", "checkpoint-10", "tmp-checkpoint-12", "checkpoint-11"):
+        (tmp_path / name).mkdir()
+    for name in ("checkpoint-2", "checkpoint-10", "tmp-checkpoint-12"):
+        (tmp_path / name / "trainer_state.json").write_text("{}")
+    assert latest_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")  # not 11 (no state), not 12
+
+
+@pytest.fixture
+def world4_no_setup(monkeypatch):
+    """WORLD_SIZE=4 without process groups: the fields are final when `TrainingArguments.__post_init__` starts."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "FSDP_VERSION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(TrainingArguments, "__post_init__", lambda self: None)
+
+
+def make_args(tmp_path, **kwargs) -> FedShardTrainingArguments:
+    return FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none", fed_group_size=2, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("samples", "batch", "accumulation", "fails"),
+    [(7, 2, 1, True), (8, 2, 1, False), (15, 2, 2, True), (16, 2, 2, False)],
+)
+def test_dataset_smaller_than_the_worlds_first_step(tmp_path, world4_no_setup, samples, batch, accumulation, fails):
+    args = make_args(tmp_path, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation)
+    if not fails:
+        args.check_train_dataset_size(samples)
+        return
+    world_batch = batch * 4 * accumulation
+    with pytest.raises(
+        ConfigError,
+        match=rf"^train_dataset has {samples} samples, fewer than the world's first optimizer step: "
+        rf"per_device_train_batch_size\({batch}\) × WORLD_SIZE\(4\) × gradient_accumulation_steps\({accumulation}\)"
+        rf" = {world_batch}\. Use a larger dataset",
+    ):
+        args.check_train_dataset_size(samples)
+
+
+@pytest.mark.parametrize("timeout", [0, -5.0])
+def test_fed_timeout_must_be_positive(tmp_path, world4_no_setup, timeout):
+    with pytest.raises(ConfigError, match=rf"^fed_timeout_s={timeout}: it must be a positive number of seconds"):
+        make_args(tmp_path, fed_timeout_s=timeout)
+
+
+@pytest.mark.parametrize(("max_steps", "warns"), [(3, True), (8, False), (-1, False)])
+def test_max_steps_below_fed_sync_steps_warns(tmp_path, world4_no_setup, caplog, max_steps, warns):
+    with caplog.at_level(logging.WARNING, logger="hf_fedshard.arguments"):
+        make_args(tmp_path, max_steps=max_steps, fed_sync_steps=8)
+    expected = (
+        f"max_steps={max_steps} < fed_sync_steps=8: no averaging happens before the final one after step "
+        f"{max_steps}. Lower --fed_sync_steps or raise --max_steps."
+    )
+    assert (expected in caplog.text) == warns
+
+
+def test_fed_peer_ranks_pair_the_same_position_of_every_group():
+    assert FederationLayout(8, 4, 2).fed_peer_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert FederationLayout(6, 2).fed_peer_ranks() == [[0, 2, 4], [1, 3, 5]]

@@ -1,0 +1,169 @@
+"""Multi-process reliability checks on gloo: exact resume, a killed rank, a kill while saving, a silent group,
+diverged groups. Each run trains the tiny Llama of tests/scripts/train_tiny.py with AdamW and a decaying learning
+rate, so a resume that lost the moments, the scheduler, the data position or one group's shards ends elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import LlamaForCausalLM
+
+from hf_fedshard.checkpoint import latest_complete_checkpoint
+
+from .launch import SCRIPTS, SGD, torchrun, train_tiny
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SCRIPT = SCRIPTS / "train_tiny.py"
+ADAMW = ["--optim", "adamw_torch", "--learning_rate", "0.01", "--lr_scheduler_type", "linear", "--warmup_steps", "0",
+         "--weight_decay", "0.01", "--max_grad_norm", "1.0"]  # fmt: skip
+# FL+FSDP, 2 groups × 2 ranks, H=4: checkpoint-2 falls between two averagings, checkpoint-4 on one.
+FL_FSDP_RUN = ["--fed_group_size", "2", "--fed_sync_steps", "4", "--max_steps", "6", "--save_strategy", "steps",
+               "--save_steps", "2", *ADAMW]  # fmt: skip
+
+
+def read_dcp(directory: Path, tmp_path: Path) -> dict:
+    """A DCP folder as one plain state dict (offline, no process group)."""
+    target = tmp_path / ("_".join(directory.parts[-3:]) + ".pt")
+    dcp_to_torch_save(directory, target)
+    return torch.load(target, weights_only=False)
+
+
+def assert_same_run(runs: list[dict], reference: list[dict]) -> None:
+    """Same final parameters (every rank's shards and the gathered model), eval perplexity and FedAvg counters."""
+    for run, ref in zip(runs, reference, strict=True):
+        for name, value in ref["local_params"].items():
+            torch.testing.assert_close(run["local_params"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+        for name, value in ref["full_params"].items():
+            torch.testing.assert_close(run["full_params"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+        assert run["eval"]["eval_perplexity"] == pytest.approx(ref["eval"]["eval_perplexity"], rel=1e-6)
+        timing = "last_sync_seconds"
+        assert {k: v for k, v in run["fed_counters"].items() if k != timing} == {
+            k: v for k, v in ref["fed_counters"].items() if k != timing
+        }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The uninterrupted FL+FSDP run, exporting its final model with save_model."""
+    out = tmp_path_factory.mktemp("reference")
+    return out, train_tiny(4, out, [*FL_FSDP_RUN, "--export_dir", out / "export"])
+
+
+def test_each_group_saves_its_own_shards(reference, tmp_path):
+    out, _ = reference
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert not list(out.glob("tmp-*"))
+    layout = json.loads((out / "checkpoint-2" / "fed_layout.json").read_text())
+    assert (layout["method"], layout["fed_group_size"], layout["fed_shard_size"]) == ("FL+FSDP", 2, 2)
+    assert layout["model"]["model_type"] == "llama"
+    between = [read_dcp(out / "checkpoint-2" / f"fed_group{g}" / "model", tmp_path)["model"] for g in (0, 1)]
+    on_sync = [read_dcp(out / "checkpoint-4" / f"fed_group{g}" / "model", tmp_path)["model"] for g in (0, 1)]
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(between[0][name], between[1][name])  # groups differ between averagings
+    assert all(torch.equal(on_sync[0][k], on_sync[1][k]) for k in on_sync[0])  # and agree right after one
+    counters = json.loads((out / "checkpoint-4" / "fed_group1" / "fedavg_rank3.json").read_text())
+    assert (counters["syncs"], counters["last_synced_step"]) == (1, 4)
+
+
+def test_save_model_exports_the_global_model_in_hf_format(reference):
+    out, runs = reference
+    model = LlamaForCausalLM.from_pretrained(out / "export")
+    exported = dict(model.named_parameters())
+    for rank in (0, 2):  # one rank of each group: both hold the global model at the end
+        for name, value in runs[rank]["full_params"].items():
+            torch.testing.assert_close(exported[name], value, atol=0, rtol=0, msg=name)
+
+
+def test_killed_rank_restarts_and_resumes_exactly(reference, tmp_path):
+    """SIGKILL rank 1 as step 5 begins; torchrun restarts the job, which resumes from checkpoint-4 by itself."""
+    _, ref = reference
+    runs = train_tiny(
+        4, tmp_path, [*FL_FSDP_RUN, "--fed_auto_resume", "true", "--kill_at_step", "5"], 400, max_restarts=1
+    )
+    assert [run["started_at_step"] for run in runs] == [4] * 4  # resumed, on an averaging step
+    assert_same_run(runs, ref)
+
+
+def test_kill_while_saving_keeps_the_previous_checkpoint(reference, tmp_path):
+    """Rank 1 dies after writing its shards of checkpoint-4: no checkpoint-4; the relaunch resumes from 2."""
+    _, ref = reference
+    args = ["--output_dir", tmp_path, "--dump_dir", tmp_path / "dump", *SGD, *FL_FSDP_RUN, "--fed_auto_resume", "true"]
+    killed = torchrun(4, SCRIPT, [*args, "--kill_while_saving_step", "4"])
+    assert killed.returncode != 0
+    assert sorted(p.name for p in tmp_path.glob("*checkpoint-*")) == ["checkpoint-2", "tmp-checkpoint-4"]
+    assert latest_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
+    runs = train_tiny(4, tmp_path, [*FL_FSDP_RUN, "--fed_auto_resume", "true"])
+    assert [run["started_at_step"] for run in runs] == [2] * 4  # resumed between two averagings
+    assert_same_run(runs, ref)
+    assert not list(tmp_path.glob("tmp-*"))
+
+
+def test_fl_hsdp_resumes_exactly_between_averagings(tmp_path):
+    """FL+HSDP, 2 groups × 2 replicas × 2 shards: resume from checkpoint-1 (H=2) with resume_from_checkpoint."""
+    args = ["--fed_group_size", "4", "--fed_shard_size", "2", "--fed_sync_steps", "2", "--max_steps", "3",
+            "--save_strategy", "steps", "--save_steps", "1", *ADAMW]  # fmt: skip
+    ref = train_tiny(8, tmp_path / "ref", args, 400)
+    checkpoint = tmp_path / "ref" / "checkpoint-1"
+    runs = train_tiny(8, tmp_path / "resumed", [*args, "--resume_from_checkpoint", checkpoint], 400)
+    assert [run["started_at_step"] for run in runs] == [1] * 8
+    assert_same_run(runs, ref)
+
+
+def test_silent_group_fails_the_others_within_fed_timeout(tmp_path):
+    """Group 1 sleeps 10 minutes before the first averaging: group 0 raises after 5 s and the job ends."""
+    args = ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, "--fed_group_size", "2", "--fed_sync_steps", "2",
+            "--max_steps", "4", "--fed_timeout_s", "5", "--sleep_group", "1", "--sleep_at_step", "2",
+            "--sleep_s", "600"]  # fmt: skip
+    result = torchrun(4, SCRIPT, args, timeout_s=240)
+    assert result.returncode != 0
+    assert "averaging across federation groups failed at step 2: another group stopped answering" in result.stdout
+    assert "no reply within fed_timeout_s=5 seconds" in result.stdout
+
+
+def test_diverged_group_restarts_from_the_others_and_all_diverged_stops(tmp_path):
+    """A NaN in group 1 after step 3 (healed at the averaging of step 4), then in both groups after step 5."""
+    args = ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, "--fed_group_size", "2", "--fed_sync_steps", "2",
+            "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "1", *ADAMW,
+            "--nan_at", "3:1", "5:0,1"]  # fmt: skip
+    result = torchrun(4, SCRIPT, args)
+    out = result.stdout
+    assert "group(s) [1] had NaN/Inf at step 4: left out of the average" in out
+    assert "'fed_diverged_groups': 1" in out
+    assert "checkpoint-3 not written: group(s) [1] hold NaN/Inf" in out
+    assert "checkpoint-5 not written: group(s) [0, 1] hold NaN/Inf" in out
+    assert result.returncode != 0
+    assert "every federation group (2) has NaN/Inf in its model at step 6; training stopped" in out
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-4"]
+    assert latest_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
+    models = [read_dcp(tmp_path / "checkpoint-4" / f"fed_group{g}" / "model", tmp_path)["model"] for g in (0, 1)]
+    for name, value in models[0].items():
+        assert torch.isfinite(value).all(), name
+        assert torch.equal(models[1][name], value), name  # group 1 restarted from group 0's model
+    states = [read_dcp(tmp_path / "checkpoint-4" / f"fed_group{g}" / "optimizer", tmp_path)["optimizer"]["state"]
+              for g in (0, 1)]  # fmt: skip
+    embed = "model.embed_tokens.weight"
+    assert (states[0][embed]["step"].item(), states[1][embed]["step"].item()) == (4, 0)  # group 1's moments reset
+    assert not states[1][embed]["exp_avg"].any()
+
+
+@pytest.mark.parametrize(
+    ("case", "args", "message"),
+    [
+        ("checkpoint of another layout", ["--fed_group_size", "1", "--resume_from_checkpoint", "{reference}"],
+         "was written with fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=4, but this run has fed_group_size=1"),
+        ("dataset smaller than the first step", ["--num_samples", "6"],
+         "train_dataset has 6 samples, fewer than the world's first optimizer step"),
+    ],
+)  # fmt: skip
+def test_bad_input_fails_on_every_rank_without_hang(reference, tmp_path, case, args, message):
+    checkpoint = str(reference[0] / "checkpoint-2")
+    args = [arg.replace("{reference}", checkpoint) for arg in args]
+    result = torchrun(4, SCRIPT, ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, *FL_FSDP_RUN, *args], 120)
+    assert result.returncode != 0, case
+    assert result.stdout.count(message) == 4, result.stdout[-3000:]  # one line from every rank
