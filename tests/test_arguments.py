@@ -166,6 +166,9 @@ def test_help_documents_every_fed_setting():
     code = "from transformers import HfArgumentParser; from hf_fedshard import FedShardTrainingArguments as A; "
     code += "HfArgumentParser(A).parse_args(['--help'])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
-    for name in ("--fed_group_size", "--fed_shard_size", "--fed_sync_steps", "--fed_average_optimizer_state"):
+    names = ("--fed_group_size", "--fed_shard_size", "--fed_sync_steps", "--fed_average_optimizer_state",
+             "--fed_timeout_s", "--fed_auto_resume")  # fmt: skip
+    for name in names:
         assert name in out
     assert "H: optimizer steps between two averagings" in out
+    assert "Resume from the latest complete checkpoint in output_dir" in " ".join(out.split())

@@ -167,3 +167,21 @@ def test_bad_input_fails_on_every_rank_without_hang(reference, tmp_path, case, a
     result = torchrun(4, SCRIPT, ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, *FL_FSDP_RUN, *args], 120)
     assert result.returncode != 0, case
     assert result.stdout.count(message) == 4, result.stdout[-3000:]  # one line from every rank
+
+
+def test_load_best_model_at_end_reloads_each_groups_shards(tmp_path):
+    """The best checkpoint (here the highest eval loss, step 2) is what the groups hold after training."""
+    args = ["--fed_group_size", "2", "--fed_sync_steps", "2", "--max_steps", "4", "--save_strategy", "steps",
+            "--save_steps", "2", "--eval_strategy", "steps", "--eval_steps", "2", "--load_best_model_at_end", "true",
+            "--metric_for_best_model", "loss", "--greater_is_better", "true", *ADAMW]  # fmt: skip
+    runs = train_tiny(4, tmp_path, args)
+    evals = [(h["step"], h["eval_loss"]) for h in runs[0]["log_history"] if "eval_loss" in h]
+    (_, at_2), (_, at_4) = evals[:2]  # the evaluations during training
+    assert [step for step, _ in evals[:2]] == [2, 4] and at_2 > at_4  # step 2 is the best by this metric
+    assert runs[0]["eval"]["eval_loss"] == at_2  # the script's final evaluate() sees the best model
+    best = read_dcp(tmp_path / "checkpoint-2" / "fed_group1" / "model", tmp_path)["model"]
+    last = read_dcp(tmp_path / "checkpoint-4" / "fed_group1" / "model", tmp_path)["model"]
+    for rank in runs:
+        for name, value in rank["full_params"].items():
+            assert torch.equal(value, best[name]), name
+    assert any(not torch.equal(best[name], last[name]) for name in best)
