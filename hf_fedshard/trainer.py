@@ -269,10 +269,11 @@ class FedShardTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # Export the global model in the Hugging Face format: average groups that drifted since the last
         # averaging, and gather FSDP2's shards (Trainer writes nothing for FSDP2's default SHARDED_STATE_DICT).
-        if self.fed_callback is not None:
-            self.fed_callback.sync_if_stale(self.model, self.optimizer, self.state.global_step)
-        plugin = self.accelerator.state.fsdp_plugin if self.is_fsdp_enabled else None
-        if plugin is None or plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
+        # Federated checkpoints never come here (see _save_checkpoint), so this gathers for exports only.
+        if self.fed_callback is None:
+            return super().save_model(output_dir, _internal_call)
+        self.fed_callback.sync_if_stale(self.model, self.optimizer, self.state.global_step)
+        if self.accelerator.state.fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
             return super().save_model(output_dir, _internal_call)
         self._save(output_dir or self.args.output_dir, state_dict=self.accelerator.get_state_dict(self.model))
         if self.args.push_to_hub and not _internal_call:

@@ -80,6 +80,19 @@ def test_save_model_exports_the_global_model_in_hf_format(reference):
             torch.testing.assert_close(exported[name], value, atol=0, rtol=0, msg=name)
 
 
+def test_save_model_between_averagings_exports_their_average(tmp_path):
+    """2 groups of 1 rank, H=4: save_model at step 3 averages the drifted groups first, then writes the average."""
+    args = ["--fed_group_size", "1", "--fed_sync_steps", "4", "--max_steps", "4", "--export_at_step", "3",
+            "--export_dir", tmp_path / "export", *ADAMW]  # fmt: skip
+    runs = train_tiny(2, tmp_path, args)
+    group0, group1 = (run["params_before_export"] for run in runs)
+    exported = dict(LlamaForCausalLM.from_pretrained(tmp_path / "export").named_parameters())
+    assert any(not torch.equal(group0[name], group1[name]) for name in group0)  # the groups had drifted
+    for name, value in group0.items():
+        torch.testing.assert_close(exported[name], (value + group1[name]) / 2, atol=1e-7, rtol=1e-6, msg=name)
+    assert runs[0]["fed_counters"]["syncs"] == 2  # the export's averaging, then step 4's
+
+
 def test_killed_rank_restarts_and_resumes_exactly(reference, tmp_path):
     """SIGKILL rank 1 as step 5 begins; torchrun restarts the job, which resumes from checkpoint-4 by itself."""
     _, ref = reference

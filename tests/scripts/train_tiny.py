@@ -44,6 +44,9 @@ class ScriptArguments:
     num_samples: int = field(default=64, metadata={"help": "Training samples (sample i starts with token i)."})
     freeze_all: bool = field(default=False, metadata={"help": "Freeze every parameter (error case)."})
     export_dir: str | None = field(default=None, metadata={"help": "save_model() here after training."})
+    export_at_step: int | None = field(
+        default=None, metadata={"help": "Call save_model(export_dir) at the end of this step instead."}
+    )
     fault_rank: int = field(default=1, metadata={"help": "Rank that --kill_* faults kill."})
     kill_at_step: int | None = field(default=None, metadata={"help": "SIGKILL fault_rank as this step begins."})
     kill_while_saving_step: int | None = field(
@@ -138,6 +141,23 @@ class Faults(TrainerCallback):
             (param.to_local() if isinstance(param, DTensor) else param).view(-1)[0] = math.nan
 
 
+class ExportMidTraining(TrainerCallback):
+    """Calls save_model at the end of one step (after FedAvgCallback), keeping the parameters it found there."""
+
+    def __init__(self, trainer: Trainer, step: int, export_dir: str) -> None:
+        self.trainer, self.step, self.export_dir = trainer, step, export_dir
+        self.params_before: dict[str, torch.Tensor] = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            self.params_before = {n: full_tensor(p) for n, p in model.named_parameters()}
+            self.trainer.save_model(self.export_dir)
+
+
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+
+
 class SaveKillingTrainer(FedShardTrainer):
     """Test-only: SIGKILLs one rank right after it wrote its shards of one checkpoint, before it is complete."""
 
@@ -173,8 +193,12 @@ def main(argv: list[str] | None = None) -> None:
     trainer.add_callback(recorder)
     if isinstance(trainer, FedShardTrainer):
         trainer.add_callback(Faults(script, args.process_index, trainer.fed_layout.group_index(args.process_index)))
+    exporter = None
+    if script.export_at_step is not None:
+        exporter = ExportMidTraining(trainer, script.export_at_step, script.export_dir)
+        trainer.add_callback(exporter)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    if script.export_dir is not None:
+    if script.export_dir is not None and exporter is None:
         trainer.save_model(script.export_dir)
     metrics = trainer.evaluate()
     for module in trainer.model.modules():  # evaluation leaves the no-reshard tail unsharded
@@ -188,13 +212,11 @@ def main(argv: list[str] | None = None) -> None:
         "checksums": recorder.checksums,
         "started_at_step": recorder.started_at_step,
         "fed_counters": trainer.fed_callback.state_dict() if getattr(trainer, "fed_callback", None) else None,
+        "params_before_export": exporter.params_before if exporter else None,
         "is_dtensor": [isinstance(p, DTensor) for p in trainer.model.parameters()],
         "placements": [str(pl) for pl in param.placements] if isinstance(param, DTensor) else None,
         "mesh_shape": list(param.device_mesh.shape) if isinstance(param, DTensor) else None,
-        "full_params": {
-            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in trainer.model.named_parameters()
-        },
+        "full_params": {n: full_tensor(p) for n, p in trainer.model.named_parameters()},
         "local_params": {
             n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
             for n, p in trainer.model.named_parameters()
