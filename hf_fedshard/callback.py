@@ -177,7 +177,7 @@ class FedAvgCallback(TrainerCallback):
         except RuntimeError as err:
             limit = f"fed_timeout_s={self.timeout_s:g}" if self.timeout_s else "ddp_timeout (fed_timeout_s unset)"
             raise RuntimeError(
-                f"hf_fedshard: averaging across federation groups failed at step {step}: another group stopped "
+                f"hf_fedshard: an exchange across federation groups failed at step {step}: another group stopped "
                 f"answering (no reply within {limit} seconds, or its ranks died). Check that group's logs; if it is "
                 f"only slow, raise --fed_timeout_s. Cause: {err}"
             ) from err

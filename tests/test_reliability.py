@@ -135,7 +135,7 @@ def test_silent_group_fails_the_others_within_fed_timeout(tmp_path):
             "--sleep_s", "600"]  # fmt: skip
     result = torchrun(4, SCRIPT, args, timeout_s=240)
     assert result.returncode != 0
-    assert "averaging across federation groups failed at step 2: another group stopped answering" in result.stdout
+    assert "an exchange across federation groups failed at step 2: another group stopped answering" in result.stdout
     assert "no reply within fed_timeout_s=5 seconds" in result.stdout
 
 
