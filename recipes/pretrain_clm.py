@@ -63,7 +63,8 @@ class DataArguments:
     )
     validation_file: str | None = field(default=None, metadata={"help": "A local text file to evaluate on."})
     validation_split_percentage: int = field(
-        default=5, metadata={"help": "Without a validation split: percent of the rows held out, as one contiguous block."}
+        default=5,
+        metadata={"help": "Without a validation split: percent of the rows held out, as one contiguous block."},
     )
     block_size: int = field(default=128, metadata={"help": "Tokens per training sample (packed across documents)."})
     tokenizer_name: str | None = field(

@@ -118,7 +118,7 @@ def recipe_error(tmp_path: Path, args: list) -> str:
     [
         (["--dataset_name", "no_such_dataset_hf_fedshard"], "error: --dataset_name=no_such_dataset_hf_fedshard could"),
         (["--train_file", "missing.txt"], "error: --train_file/--validation_file missing.txt does not exist"),
-        (["--model_size", "huge"], "argument --model_size: invalid choice: 'huge'"),
+        (["--model_size", "huge"], "error: argument --model_size/--model-size: invalid choice: 'huge'"),
     ],
 )
 def test_bad_input_ends_with_one_clear_line(tmp_path, args, message):
