@@ -67,12 +67,12 @@ def load_text(
     validation_file: str | None = None,
     validation_split_percentage: int = 5,
 ) -> DatasetDict:
-    """Train and validation splits with a ``text`` column.
+    """Train and validation splits with a ``text`` column (``train_file`` wins over ``dataset_name``).
 
     Without a validation split, the last ``validation_split_percentage`` % of rows is held out as one
     contiguous block (whole documents, never shuffled into training).
     """
-    if dataset_name in EMBEDDED:
+    if train_file is None and dataset_name in EMBEDDED:
         return shakespeare() if dataset_name == "shakespeare" else kjv()
     if train_file is not None:
         for path in (train_file, validation_file):

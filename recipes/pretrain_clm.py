@@ -63,7 +63,8 @@ class DataArguments:
     )
     validation_file: str | None = field(default=None, metadata={"help": "A local text file to evaluate on."})
     validation_split_percentage: int = field(
-        default=5, metadata={"help": "Without a validation split: % of the rows held out, as one contiguous block."}
+        default=5,
+        metadata={"help": "Without a validation split: percent of the rows held out, as one contiguous block."},
     )
     block_size: int = field(default=128, metadata={"help": "Tokens per training sample (packed across documents)."})
     tokenizer_name: str | None = field(
@@ -78,7 +79,17 @@ class DataArguments:
 
 def make_parser() -> HfArgumentParser:
     parser = HfArgumentParser((ModelArguments, DataArguments, FedShardTrainingArguments))
-    parser.set_defaults(report_to=["tensorboard"], eval_strategy="steps", eval_steps=50, logging_steps=10)
+    # Defaults that differ from TrainingArguments: a from-scratch schedule, TensorBoard, periodic evaluation.
+    parser.set_defaults(
+        learning_rate=2e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=20,
+        weight_decay=0.1,
+        report_to=["tensorboard"],
+        eval_strategy="steps",
+        eval_steps=50,
+        logging_steps=10,
+    )
     return parser
 
 
@@ -120,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     metrics["wall_seconds"] = time.perf_counter() - start
     trainer.save_model()
     trainer.save_metrics("all", metrics)
+    trainer.save_state()
     trainer.create_model_card(
         dataset=data_args.train_file or data_args.dataset_name,
         tokens_per_sample=data_args.block_size,

@@ -1,0 +1,134 @@
+"""The recipes users run, end to end: `accelerate launch` with a CPU config, the card, LoRA, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .launch import REPO
+
+RECIPES = REPO / "recipes"
+CONFIGS = REPO / "accelerate_configs"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+TINY_RUN = ["--model_size", "micro", "--block_size", "64", "--per_device_train_batch_size", "2",
+            "--per_device_eval_batch_size", "4", "--max_eval_samples", "32", "--disable_tqdm", "true",
+            "--report_to", "none", "--save_strategy", "no", "--fed_group_size", "2",
+            "--fed_sync_steps", "2"]  # fmt: skip
+
+
+def run(cmd: list, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    try:
+        return subprocess.run(list(map(str, cmd)), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as err:
+        raise TimeoutError(f"{cmd} hung for {timeout_s}s") from err
+
+
+def accelerate_launch(config: str, script: str, args: list, timeout_s: float = 400) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / config, RECIPES / script]
+    result = run([*cmd, *args], timeout_s)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pretrain") / "tiny-fl-fsdp"
+    args = ["--output_dir", out, "--max_steps", "6", "--eval_steps", "4", "--logging_steps", "2", *TINY_RUN]
+    accelerate_launch("fl_fsdp_cpu.yaml", "pretrain_clm.py", args)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pretrain_writes_model_tokenizer_card_and_plot(pretrained):
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    results = json.loads((pretrained / "all_results.json").read_text())
+    card = ModelCard.load(pretrained / "README.md")
+    (result,) = card.data.eval_results
+    assert result.metric_type == "perplexity"
+    assert result.metric_value == pytest.approx(results["eval_perplexity"], rel=1e-4)
+    assert {"hf_fedshard", "fl-fsdp"} <= set(card.data.tags)
+    assert "| Federation groups | 2 |" in card.text and "| Inter-group syncs | 3 |" in card.text
+    assert (pretrained / "training_curves.png").stat().st_size > 10_000
+    model = AutoModelForCausalLM.from_pretrained(pretrained)  # one process, no distributed set-up
+    tokenizer = AutoTokenizer.from_pretrained(pretrained)
+    assert model.config.vocab_size == len(tokenizer)
+    assert not [p for p in pretrained.iterdir() if p.name.startswith("checkpoint")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_lora_sends_only_adapter_bytes(pretrained, tmp_path):
+    out = tmp_path / "lora"
+    result = accelerate_launch("fl_fsdp_cpu.yaml", "finetune_lora.py",
+                               ["--model_name_or_path", pretrained, "--output_dir", out, "--max_steps", "4",
+                                "--eval_steps", "4", *TINY_RUN])  # fmt: skip
+    results = json.loads((out / "all_results.json").read_text())
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    fed = [h for h in history if "fed_syncs" in h][-1]
+    # Every LoRA matrix splits evenly over the 2 shards: rank 0 sends half the adapter, in fp32, per sync.
+    assert fed["fed_inter_group_bytes"] / fed["fed_syncs"] == 4 * results["trainable_parameters"] / 2
+    assert results["trainable_fraction"] < 0.1
+    assert "eval_before_perplexity" in results and "eval_perplexity" in results
+    assert "inter-group bytes per averaging" in result.stdout
+    assert (out / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_accelerate_configs_are_valid(config):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    text = (CONFIGS / config).read_text()
+    assert text.startswith("#"), "each config starts with a comment saying when to use it"
+    loaded = load_config_from_file(str(CONFIGS / config))
+    assert loaded.distributed_type == "FSDP" and loaded.fsdp_config["fsdp_version"] == 2
+    assert yaml.safe_load(text)["num_processes"] == (4 if config.endswith("_cpu.yaml") else 16)
+
+
+@pytest.mark.parametrize("script", ["pretrain_clm.py", "finetune_lora.py"])
+def test_help_documents_every_argument(script):
+    result = run([sys.executable, RECIPES / script, "--help"], 120)
+    assert result.returncode == 0, result.stderr
+    for name in ("--fed_group_size", "--fed_sync_steps", "--dataset_name", "--block_size", "--model_size"):
+        assert name in result.stdout
+
+
+def recipe_error(tmp_path: Path, args: list) -> str:
+    """Run the pre-training recipe on one process; it must fail with one `error:` line and write nothing."""
+    out = tmp_path / "out"
+    result = run([sys.executable, RECIPES / "pretrain_clm.py", "--output_dir", out, "--report_to", "none", *args])
+    assert result.returncode != 0
+    assert not out.exists() or not any(out.iterdir()), "nothing half-written in the output folder"
+    last = result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr
+    return last
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dataset_name", "no_such_dataset_hf_fedshard"], "error: --dataset_name=no_such_dataset_hf_fedshard could"),
+        (["--train_file", "missing.txt"], "error: --train_file/--validation_file missing.txt does not exist"),
+        (["--model_size", "huge"], "error: argument --model_size/--model-size: invalid choice: 'huge'"),
+    ],
+)
+def test_bad_input_ends_with_one_clear_line(tmp_path, args, message):
+    assert message in recipe_error(tmp_path, args)
+
+
+def test_block_size_larger_than_the_text(tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 3)
+    args = ["--train_file", text, "--validation_file", text, "--block_size", "512", "--vocab_size", "300"]
+    line = recipe_error(tmp_path, args)
+    assert "error: --block_size=512 is larger than the whole train split" in line
+    assert "Lower --block_size" in line
