@@ -17,6 +17,12 @@ from .mesh import FederationLayout
 logger = logging.getLogger(__name__)
 
 
+def _notice(message: str, *args: object) -> None:
+    """A setting hf_fedshard changed for the user: said once (by rank 0), visible at the default log level."""
+    if os.environ.get("RANK", "0") == "0":
+        logger.warning("hf_fedshard: " + message, *args)
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() in ("1", "true", "yes")
 
@@ -92,7 +98,7 @@ class FedShardTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         if self.fed_sync_steps < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"fed_sync_steps={self.fed_sync_steps}: it must be at least 1. Set --fed_sync_steps to the "
                 "number of optimizer steps between averagings (the paper uses 8)."
             )
@@ -112,18 +118,15 @@ class FedShardTrainingArguments(TrainingArguments):
             )
         if self.fed_requested:
             self._check_sharding_backend()
-        if (self.fed_requested or self._requested_fsdp_version()) and not torch.accelerator.is_available():
-            if not self.use_cpu:
-                self.use_cpu = True
-                logger.info("hf_fedshard: no accelerator found, FSDP2 runs on the CPU with gloo (use_cpu=True).")
             if not self.fsdp and not _env_flag("ACCELERATE_USE_FSDP"):
                 self.fsdp = True
                 self.fsdp_config = {**(self.fsdp_config or {}), "version": 2}
-                logger.info(
-                    "hf_fedshard: %s asked for and no FSDP configured: turning on FSDP2, wrapping the "
-                    "model's _no_split_modules.",
-                    layout.method,
+                _notice(
+                    "%s asked for and no FSDP configured: turning on FSDP2 (model's _no_split_modules)", layout.method
                 )
+        if self._requested_fsdp_version() and not torch.accelerator.is_available() and not self.use_cpu:
+            self.use_cpu = True
+            _notice("no accelerator found: FSDP2 runs on the CPU with gloo (use_cpu=True)")
         if layout.federated:
             self.average_tokens_across_devices = False
         super().__post_init__()
@@ -156,13 +159,13 @@ class FedShardTrainingArguments(TrainingArguments):
     def _check_sharding_backend(self) -> None:
         """Federation runs on FSDP2 only; say so before `TrainingArguments` sets up any process group."""
         if self.deepspeed or _env_flag("ACCELERATE_USE_DEEPSPEED"):
-            raise ValueError(
+            raise ConfigError(
                 "fed_group_size/fed_shard_size need FSDP2, but DeepSpeed is configured. Remove --deepspeed "
                 "(or use an accelerate config with distributed_type: FSDP and fsdp_version: 2)."
             )
         version = self._requested_fsdp_version()
         if version not in (None, 2):
-            raise ValueError(
+            raise ConfigError(
                 f"fed_group_size/fed_shard_size need FSDP2, but fsdp_version={version} is configured. Set "
                 "fsdp_version: 2 in the accelerate config (or fsdp_config={'version': 2})."
             )

@@ -20,6 +20,7 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import TrainingArguments
 
+from .errors import ConfigError
 from .mesh import FederationLayout
 
 
@@ -38,7 +39,7 @@ def ensure_fsdp(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin
     if state.distributed_type == DistributedType.FSDP:
         return
     if state.distributed_type != DistributedType.MULTI_CPU:
-        raise ValueError(
+        raise ConfigError(
             f"FSDP was requested but Accelerate set up {state.distributed_type}. Launch with torchrun or "
             "accelerate launch (distributed_type: FSDP), with the same number of processes on every node."
         )
@@ -53,12 +54,12 @@ def use_federation_mesh(accelerator: Accelerator, layout: FederationLayout) -> D
     """Give ``accelerator`` the federation mesh, so `fully_shard` shards over this rank's group only."""
     existing = accelerator.parallelism_config
     if existing is not None and existing.non_data_parallel_size > 1:
-        raise ValueError(
+        raise ConfigError(
             f"fed_group_size/fed_shard_size cannot be combined with tp/cp/sp parallelism (got {existing}). "
             "Remove the parallelism_config from the accelerate config."
         )
     if layout.world_size != accelerator.num_processes:
-        raise ValueError(
+        raise ConfigError(
             f"WORLD_SIZE({layout.world_size}) != Accelerate's num_processes({accelerator.num_processes}). "
             "Launch every process with torchrun or accelerate launch."
         )

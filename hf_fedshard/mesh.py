@@ -26,6 +26,8 @@ from accelerate import ParallelismConfig
 from torch.distributed import ProcessGroup, new_subgroups_by_enumeration
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .errors import ConfigError
+
 
 class MeshAxis(str, Enum):
     """Names of the mesh axes; the only place these strings are spelled (Accelerate's names where it has one)."""
@@ -59,15 +61,15 @@ class FederationLayout:
         object.__setattr__(self, "group_size", group)
         object.__setattr__(self, "shard_size", group if self.shard_size is None else self.shard_size)
         if self.world_size < 1:
-            raise ValueError(f"WORLD_SIZE must be at least 1, got {self.world_size}.")
+            raise ConfigError(f"WORLD_SIZE must be at least 1, got {self.world_size}.")
         if not 1 <= group <= self.world_size or self.world_size % group:
-            raise ValueError(
+            raise ConfigError(
                 f"fed_group_size={group} must divide the world size: WORLD_SIZE({self.world_size}) % "
                 f"fed_group_size({group}) = {self.world_size % group if group >= 1 else 'undefined'}. "
                 f"Set --fed_group_size to a divisor of {self.world_size} (e.g. the ranks per node)."
             )
         if not 1 <= self.shard_size <= group or group % self.shard_size:
-            raise ValueError(
+            raise ConfigError(
                 f"fed_shard_size={self.shard_size} must divide the group size: fed_group_size({group}) % "
                 f"fed_shard_size({self.shard_size}) != 0. Set --fed_shard_size to a divisor of {group}, "
                 f"or leave it unset for FL+FSDP (shard over the whole group)."

@@ -33,6 +33,7 @@ from .checkpoint import (
     write_counters,
     write_layout_record,
 )
+from .errors import ConfigError
 from .fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
 from .mesh import FederationLayout, fed_process_group, group_process_group
 
@@ -74,7 +75,7 @@ class FedShardTrainer(Trainer):
         self.fed_mesh: DeviceMesh | None = None
         self.fed_callback: FedAvgCallback | None = None
         if args.fed_requested and model is not None and not any(p.requires_grad for p in model.parameters()):
-            raise ValueError(
+            raise ConfigError(
                 f"{type(model).__name__} has no parameter with requires_grad=True: nothing to train or average. "
                 "Unfreeze some parameters (or attach a PEFT adapter) before building the trainer."
             )
