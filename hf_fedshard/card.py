@@ -71,6 +71,8 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
     if fed:
         rows += [("Inter-group syncs", str(fed["fed_syncs"])),
                  ("Inter-group bytes sent per rank", f"{fed['fed_inter_group_bytes']:,}")]  # fmt: skip
+        if fed.get("fed_diverged_groups"):
+            rows.append(("Diverged groups restarted from the others", str(fed["fed_diverged_groups"])))
     if "train_runtime" in train:
         rows.append(("Training wall time (s)", f"{train['train_runtime']:.1f}"))
     return rows
