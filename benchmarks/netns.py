@@ -213,8 +213,8 @@ class Cluster:
         procs = [self.launch(node, cmd, env, log) for node, (cmd, log) in enumerate(zip(commands, logs, strict=True))]
         deadline = time.monotonic() + timeout_s
         try:
-            while any(p.poll() is None for p in procs):
-                if any(p.returncode not in (None, 0) for p in procs):
+            while None in (codes := [p.poll() for p in procs]):
+                if any(code not in (None, 0) for code in codes):
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the run did not finish within {timeout_s:.0f} s; logs: {list(map(str, logs))}")

@@ -51,6 +51,7 @@ class BenchConfig:
     warmup_steps: int = 8  # left out of the throughput (one window of H steps)
     eval_steps: int = 16
     eval_samples: int = 64
+    max_train_lines: int | None = None  # a prefix of the training text (tests); None: all of it
     learning_rate: float = 2e-3
     seed: int = 0
     timeout_s: float = 600.0  # per method
@@ -113,10 +114,12 @@ def prepare_data(cfg: BenchConfig, cache: Path) -> Path:
 
     disable_progress_bars()
 
-    path = cache / f"shakespeare-bpe8192-block{cfg.block_size}-eval{cfg.eval_samples}"
+    path = cache / f"shakespeare-bpe8192-block{cfg.block_size}-eval{cfg.eval_samples}-lines{cfg.max_train_lines}"
     if (path / "blocks" / "dataset_dict.json").exists():
         return path
     raw = load_text("shakespeare")
+    if cfg.max_train_lines is not None:
+        raw["train"] = raw["train"].select(range(min(cfg.max_train_lines, len(raw["train"]))))
     tokenizer = train_bpe_tokenizer(raw["train"], 8192)
     blocks = pack(raw, tokenizer, cfg.block_size)
     blocks["validation"] = blocks["validation"].shuffle(seed=0).select(range(cfg.eval_samples))
@@ -204,6 +207,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-steps", type=int, help="Evaluate every this many steps (default 16).")
     p.add_argument("--model-size", default="tiny")
     p.add_argument("--batch-size", type=int, default=4, help="Per-device batch (blocks of 128 tokens).")
+    p.add_argument("--max-train-lines", type=int, help="Train on this many lines of the text only (tests).")
     p.add_argument("--timeout-s", type=float, default=600.0, help="Bound on each method's run.")
     p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/<quick|full>).")
     p.add_argument("--work", type=Path, help="Scratch folder for data and logs (default: a temporary one).")
@@ -225,6 +229,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         sync_steps=args.sync_steps,
         warmup_steps=args.sync_steps,
         eval_steps=args.eval_steps or 16,
+        max_train_lines=args.max_train_lines,
         timeout_s=args.timeout_s,
     )
     cfg.validate()
