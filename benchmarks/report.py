@@ -182,16 +182,18 @@ def markdown(results: dict) -> str:
         f"measured {link['goodput_mbit']:.1f} Mbit/s), Llama `{cfg['model_size']}`, {cfg['steps']} steps of "
         f"{cfg['nodes'] * cfg['ranks_per_node']} × {cfg['batch_size']} × {cfg['block_size']} tokens, H = "
         f"{cfg['sync_steps']}, throughput after {cfg['warmup_steps']} warm-up steps; equal wall time T* = "
-        f"{results['equal_time_s']:.1f} s of training.",
+        f"{results['equal_time_s']:.1f} s of training. Predicted s/step: the ideal's measured s/step as compute, plus "
+        "the predicted bytes through a node's uplink ÷ link rate.",
         "",
-        "| method | layout | tokens/s | s/step | vs FSDP | of ideal | inter-node MB/step measured | predicted | "
-        "measured/predicted | eval ppl, equal tokens | eval ppl at T* (step) |",
+        "| method | layout | tokens/s | s/step (predicted) | vs FSDP | of ideal | inter-node MB/step measured | "
+        "predicted | measured/predicted | eval ppl, equal tokens | eval ppl at T* (step) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, m in results["methods"].items():
         at_t = m["eval_at_equal_time"]
         lines.append(
-            f"| {name} | {m['layout']} | {m['tokens_per_s']:,.0f} | {m['s_per_step']:.2f} | "
+            f"| {name} | {m['layout']} | {m['tokens_per_s']:,.0f} | {m['s_per_step']:.2f} "
+            f"({_x(m['predicted']['s_per_step'], 2, '')}) | "
             f"{_x(m['speedup_vs_fsdp'])} | {_x(m['fraction_of_ideal'] and 100 * m['fraction_of_ideal'], 0, '%')} | "
             f"{_mb(m['inter_bytes_per_step'])} | {_mb(m['predicted']['inter_bytes_per_step'])} | "
             f"{_x(m['bytes_measured_over_predicted'], 3, '')} | {m['final_eval_perplexity']:.1f} | "
@@ -204,7 +206,9 @@ def markdown(results: dict) -> str:
     machine = results.get("machine")
     if machine:
         load = machine["before"]["loadavg_1_5_15"]
-        lines += ["", f"Run started {machine['started']}, {machine['wall_s']} s in all; load average before it "
+        command = results.get("command", "two_tier.py")
+        lines += ["", f"Figures from one run of `{command}`, started {machine['started']}, "
+                      f"{machine['wall_s']} s in all; load average before it "
                       f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) on {machine['before']['cpus']} "
                       "CPUs."]  # fmt: skip
     return "\n".join(lines)

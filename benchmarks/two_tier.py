@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,7 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
 from benchmarks import report  # noqa: E402
 from benchmarks.netns import UPLINK, Cluster, handle_termination  # noqa: E402
 
+DATA_CACHE = Path.home() / ".cache" / "hf_fedshard" / "benchmark-data"
 QUICK_METHODS = ("FSDP", "HSDP", "FL+FSDP", "ideal")
 FULL_METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal", "LocalSGD")
 
@@ -177,10 +179,10 @@ def wait_until_quiet(max_wait_s: float, poll_s: float = 30.0, threshold: float =
         time.sleep(poll_s)
 
 
-def benchmark(cfg: BenchConfig, out: Path, work: Path, quiet: dict | None = None) -> dict:
+def benchmark(cfg: BenchConfig, out: Path, work: Path, data_cache: Path, quiet: dict | None = None) -> dict:
     """Build the cluster, run every method, and write the results; the cluster is removed whatever happens."""
     cfg.validate()
-    data = prepare_data(cfg, work)
+    data = prepare_data(cfg, data_cache)
     records, load_before = {}, machine_load()
     started = time.time()
     with handle_termination(), Cluster(cfg.nodes, cfg.rate_mbit) as cluster:
@@ -188,6 +190,7 @@ def benchmark(cfg: BenchConfig, out: Path, work: Path, quiet: dict | None = None
         for index, name in enumerate(cfg.methods):
             records[name] = run_method(cluster, name, cfg, data, work, 29500 + index)
     results = report.summarize(records, asdict(cfg), link)
+    results["command"] = shlex.join(["python", "benchmarks/two_tier.py", *sys.argv[1:]])
     results["machine"] = {"before": load_before, "after": machine_load(), "quiet_wait": quiet,
                           "wall_s": round(time.time() - started),
                           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))}  # fmt: skip
@@ -197,20 +200,21 @@ def benchmark(cfg: BenchConfig, out: Path, work: Path, quiet: dict | None = None
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="2 nodes × 2 ranks, FSDP/HSDP/FL+FSDP/ideal, 32 steps.")
+    p.add_argument("--quick", action="store_true", help="2 nodes × 2 ranks, FSDP/HSDP/FL+FSDP/ideal, 24 steps.")
     p.add_argument("--nodes", type=int, help="Emulated nodes (default 4; 2 with --quick).")
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--rate-mbit", type=float, default=100.0, help="Inter-node link rate, Mbit/s each way.")
     p.add_argument("--methods", nargs="+", help=f"Subset of {', '.join(FULL_METHODS)}.")
-    p.add_argument("--steps", type=int, help="Optimizer steps per method (default 48; 32 with --quick).")
+    p.add_argument("--steps", type=int, help="Optimizer steps per method (default 48; 24 with --quick).")
     p.add_argument("--sync-steps", type=int, default=8, help="H for every method that averages.")
-    p.add_argument("--eval-steps", type=int, help="Evaluate every this many steps (default 16).")
+    p.add_argument("--eval-steps", type=int, help="Evaluate every this many steps (default 16; 8 with --quick).")
     p.add_argument("--model-size", default="tiny")
     p.add_argument("--batch-size", type=int, default=4, help="Per-device batch (blocks of 128 tokens).")
     p.add_argument("--max-train-lines", type=int, help="Train on this many lines of the text only (tests).")
     p.add_argument("--timeout-s", type=float, default=600.0, help="Bound on each method's run.")
     p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/<quick|full>).")
-    p.add_argument("--work", type=Path, help="Scratch folder for data and logs (default: a temporary one).")
+    p.add_argument("--work", type=Path, help="Scratch folder for logs and records (default: a temporary one).")
+    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
     p.add_argument("--wait-quiet-s", type=float, default=0.0, help="First wait up to this long for a quiet machine.")
     p.add_argument("--update-readme", action="store_true", help="Write the table into benchmarks/README.md.")
     return p
@@ -225,10 +229,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         methods=tuple(args.methods or (QUICK_METHODS if quick else FULL_METHODS)),
         model_size=args.model_size,
         batch_size=args.batch_size,
-        steps=args.steps or (32 if quick else 48),
+        steps=args.steps or (24 if quick else 48),
         sync_steps=args.sync_steps,
         warmup_steps=args.sync_steps,
-        eval_steps=args.eval_steps or 16,
+        eval_steps=args.eval_steps or (8 if quick else 16),
         max_train_lines=args.max_train_lines,
         timeout_s=args.timeout_s,
     )
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "benchmarks" / "results" / ("quick" if args.quick else "full")
     quiet = wait_until_quiet(args.wait_quiet_s) if args.wait_quiet_s > 0 else None
     with tempfile.TemporaryDirectory(prefix="fedshard-bench-") as tmp:
-        results = benchmark(cfg, out, args.work or Path(tmp), quiet)
+        results = benchmark(cfg, out, args.work or Path(tmp), args.data_cache, quiet)
     print(report.markdown(results))
     if args.update_readme:
         report.update_readme(results, out, REPO / "benchmarks" / "README.md")

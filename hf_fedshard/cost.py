@@ -20,7 +20,7 @@ Collectives assumed: rings, as NCCL's ring algorithm and gloo use them. A ring o
 
     all-gather       (k-1)/k · N
     reduce-scatter   (k-1)/k · N          (``RING``; gloo's reduce_scatter_tensor is an all-reduce of the whole
-                                           input, 2 (k-1)/k · N: measured on the emulated cluster, see GLOO)
+                                           input, 2 (k-1)/k · N: benchmarks/gloo_collectives.py)
     all-reduce       2 (k-1)/k · N        (reduce-scatter then all-gather)
 
 A hop is inter-node when its two ranks sit on different nodes: a ring over sorted ranks spanning m > 1 nodes
@@ -61,7 +61,7 @@ from .averaging import BUCKET_BYTES
 from .mesh import FederationLayout
 
 RING = 1.0  # reduce-scatter bytes as a fraction of an all-reduce's (NCCL ring)
-GLOO = 2.0  # torch's gloo reduce_scatter_tensor all-reduces the input: measured by benchmarks/two_tier.py --probe
+GLOO = 2.0  # torch's gloo reduce_scatter_tensor all-reduces the input: measured by benchmarks/gloo_collectives.py
 FEDAVG_BYTES = 4  # hf_fedshard.averaging accumulates and sends in fp32 (or wider)
 
 

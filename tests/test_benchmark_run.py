@@ -45,7 +45,7 @@ def test_tiny_benchmark_writes_every_figure(tmp_path):
     cmd = [sys.executable, "benchmarks/two_tier.py", "--nodes", "2", "--ranks-per-node", "1",
            "--methods", "FSDP", "FL+FSDP", "ideal", "LocalSGD", "--steps", "4", "--sync-steps", "2",
            "--eval-steps", "4", "--model-size", "micro", "--max-train-lines", "3000", "--timeout-s", "240",
-           "--out", str(out), "--work", str(tmp_path)]  # fmt: skip
+           "--out", str(out), "--work", str(tmp_path), "--data-cache", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
