@@ -183,15 +183,16 @@ def benchmark(cfg: BenchConfig, out: Path, work: Path, data_cache: Path, quiet: 
     """Build the cluster, run every method, and write the results; the cluster is removed whatever happens."""
     cfg.validate()
     data = prepare_data(cfg, data_cache)
-    records, load_before = {}, machine_load()
+    records, load_before, load_after_each = {}, machine_load(), {}
     started = time.time()
     with handle_termination(), Cluster(cfg.nodes, cfg.rate_mbit) as cluster:
         link = cluster.probe_goodput(0, 1)
         for index, name in enumerate(cfg.methods):
             records[name] = run_method(cluster, name, cfg, data, work, 29500 + index)
+            load_after_each[name] = machine_load()  # its own ranks count in the load; other processes are listed
     results = report.summarize(records, asdict(cfg), link)
     results["command"] = shlex.join(["python", "benchmarks/two_tier.py", *sys.argv[1:]])
-    results["machine"] = {"before": load_before, "after": machine_load(), "quiet_wait": quiet,
+    results["machine"] = {"before": load_before, "after_each_method": load_after_each, "quiet_wait": quiet,
                           "wall_s": round(time.time() - started),
                           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))}  # fmt: skip
     report.write(results, out)
