@@ -211,6 +211,13 @@ def markdown(results: dict) -> str:
                       f"{machine['wall_s']} s in all; load average before it "
                       f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) on {machine['before']['cpus']} "
                       "CPUs."]  # fmt: skip
+        others = {name: m.get("other_processes_cores") for name, m in machine.get("after_each_method", {}).items()}
+        if others and None not in others.values():
+            lines[-1] += (
+                " CPU cores kept busy by other processes during each method (average): "
+                + ", ".join(f"{name} {cores:.2f}" for name, cores in others.items())
+                + "."
+            )
     return "\n".join(lines)
 
 

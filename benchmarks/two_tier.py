@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import shutil
 import subprocess
@@ -159,6 +160,26 @@ def run_method(cluster: Cluster, name: str, cfg: BenchConfig, data: Path, work: 
     return [json.loads(p.read_text()) for p in sorted((run_dir / "records").glob("rank*.json"))]
 
 
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has been busy since boot (all processes, /proc/stat), and ours.
+
+    Returns (machine, ours): ours is this process plus its waited-for descendants (every launcher and rank).
+    """
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    machine = (user + nice + system + irq + softirq + steal) / ticks
+    own = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return machine, sum(r.ru_utime + r.ru_stime for r in own)
+
+
+def others_cpu(start: tuple[float, float], wall_s: float) -> dict:
+    """Cores that other processes kept busy on average since ``start`` (a `busy_cpu_s()` reading)."""
+    machine, ours = busy_cpu_s()
+    foreign = max(0.0, (machine - start[0]) - (ours - start[1]))
+    return {"other_processes_cpu_s": round(foreign, 1), "other_processes_cores": round(foreign / wall_s, 3)}
+
+
 def machine_load() -> dict:
     """Load averages and the busiest other processes, to judge how much the timings were disturbed."""
     ps = subprocess.run(["ps", "-eo", "pid,pcpu,comm", "--sort=-pcpu"], capture_output=True, text=True).stdout
@@ -182,14 +203,16 @@ def wait_until_quiet(max_wait_s: float, poll_s: float = 30.0, threshold: float =
 def benchmark(cfg: BenchConfig, out: Path, work: Path, data_cache: Path, quiet: dict | None = None) -> dict:
     """Build the cluster, run every method, and write the results; the cluster is removed whatever happens."""
     cfg.validate()
-    data = prepare_data(cfg, data_cache)
     records, load_before, load_after_each = {}, machine_load(), {}
     started = time.time()
+    data = prepare_data(cfg, data_cache)
     with handle_termination(), Cluster(cfg.nodes, cfg.rate_mbit) as cluster:
         link = cluster.probe_goodput(0, 1)
         for index, name in enumerate(cfg.methods):
+            cpu, start = busy_cpu_s(), time.monotonic()
             records[name] = run_method(cluster, name, cfg, data, work, 29500 + index)
-            load_after_each[name] = machine_load()  # its own ranks count in the load; other processes are listed
+            # The load average counts this method's own ranks; the CPU others used is what disturbed it.
+            load_after_each[name] = {**machine_load(), **others_cpu(cpu, time.monotonic() - start)}
     results = report.summarize(records, asdict(cfg), link)
     results["command"] = shlex.join(["python", "benchmarks/two_tier.py", *sys.argv[1:]])
     results["machine"] = {"before": load_before, "after_each_method": load_after_each, "quiet_wait": quiet,
