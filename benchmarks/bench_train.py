@@ -1,0 +1,191 @@
+"""The benchmark's training script: one method of benchmarks/two_tier.py, on every rank of the emulated cluster.
+
+Launched by two_tier.py in each node's namespace (one launcher per node), e.g. FL+FSDP on 2 nodes × 2 ranks:
+
+    ip netns exec fsb<pid>n<i> torchrun --nnodes 2 --nproc_per_node 2 --node_rank <i> --master_addr 10.213.0.1 \
+        --master_port 29500 benchmarks/bench_train.py --data_dir D --record_dir R --output_dir O \
+        --fed_group_size 2 --fed_sync_steps 8 ...
+
+Every method runs `FedShardTrainer` on the same packed data, model, per-device batch and hyperparameters; only
+the parallelism differs: FSDP (``--fsdp``), HSDP (``--fed_shard_size``), FL+FSDP and FL+HSDP (``--fed_*``), the
+ideal (FL+FSDP whose `FedAvgCallback` is removed: groups never average), and Accelerate's `LocalSGD` (DDP with
+gradient sync off and a whole-world parameter average every ``--local_sgd_steps`` steps).
+
+`StepRecorder` stamps every optimizer step (start, end, after the FedAvg callback) and reads the node's uplink
+byte counters at both ends on the node's first rank, so that evaluations and logging are left out of the step
+times and of the bytes. Each rank writes ``rank<R>.json`` into ``--record_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from accelerate.local_sgd import LocalSGD
+from datasets import disable_progress_bars, load_from_disk
+from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback, default_data_collator, set_seed
+
+from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
+from hf_fedshard.models import PRESETS, build_model
+
+UPLINK_STATS = Path("/sys/class/net/uplink/statistics")
+
+
+@dataclass
+class BenchArguments:
+    data_dir: str = field(metadata={"help": "Packed blocks and tokenizer written by two_tier.py (save_to_disk)."})
+    record_dir: str = field(metadata={"help": "Folder for each rank's rank<R>.json."})
+    model_size: str = field(default="tiny", metadata={"help": "Llama preset.", "choices": list(PRESETS)})
+    no_averaging: bool = field(default=False, metadata={"help": "The ideal: drop the FedAvgCallback."})
+    local_sgd_steps: int = field(default=0, metadata={"help": "> 0: Accelerate's LocalSGD with this H (DDP)."})
+
+
+def uplink_bytes() -> dict[str, int]:
+    """This node's inter-node counters; empty outside the emulated cluster (no uplink)."""
+    if not UPLINK_STATS.is_dir():
+        return {}
+    return {name: int((UPLINK_STATS / name).read_text()) for name in ("tx_bytes", "rx_bytes")}
+
+
+class StepRecorder(TrainerCallback):
+    """Wall-clock and byte counters of each optimizer step; added last, so it runs after the averaging callback.
+
+    A step's bytes run from the end of the previous step (or the end of the evaluation in between) to its own
+    end, so data loading is in and evaluations are out. Before an evaluation (and after the last step) the
+    counters are read once the uplink has gone quiet: a collective returns when its data has arrived, while the
+    last bytes it sent may still sit in the socket and qdisc queues. The clock is read before that wait.
+    """
+
+    def __init__(self, read_counters: bool) -> None:
+        self.read_counters = read_counters
+        self.steps: list[dict] = []
+        self.evals: list[dict] = []
+        self.paused_s = 0.0  # evaluation and logging time, left out of the training clock
+        self._t0 = 0.0
+        self._mark: dict = {}  # time and counters where the current step's accounting starts
+        self._begin_s = 0.0
+        self.sync_begin: dict = {}
+
+    def counters(self, drain: bool = False) -> dict[str, int]:
+        """The uplink's counters; with ``drain``, once ``tx_bytes`` has not moved for 30 ms (at most 2 s)."""
+        if not self.read_counters:
+            return {}
+        current = uplink_bytes()
+        deadline, still = time.perf_counter() + 2.0, 0
+        while drain and still < 3 and time.perf_counter() < deadline:
+            time.sleep(0.01)
+            latest = uplink_bytes()
+            still = still + 1 if latest.get("tx_bytes") == current.get("tx_bytes") else 0
+            current = latest
+        return current
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._t0 = time.perf_counter()
+        self._mark = {"t": 0.0, **self.counters()}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._begin_s = self._now()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = self._now()
+        end = {"t": now, **self.counters(drain=control.should_evaluate or control.should_training_stop)}
+        sync = self.sync_begin or end
+        record = {"step": state.global_step, "begin_s": self._begin_s, "end_s": now,
+                  "train_clock_s": now - self.paused_s, "sync_s": now - sync["t"]}  # fmt: skip
+        for key in ("tx_bytes", "rx_bytes"):
+            if key in end:
+                record[key] = end[key] - self._mark[key]
+                record[f"sync_{key}"] = end[key] - sync[key]
+        self.steps.append(record)
+        self._mark, self.sync_begin = end, {}
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        now = self._now()
+        self.paused_s += now - self._mark["t"]
+        self._mark = {"t": now, **self.counters()}
+        clock = self.steps[-1]["train_clock_s"] if self.steps and self.steps[-1]["step"] == state.global_step else 0.0
+        self.evals.append({"step": state.global_step, "train_clock_s": clock, "eval_loss": metrics["eval_loss"]})
+
+
+class SyncStamp(TrainerCallback):
+    """Placed right before the averaging callback: marks where a step's averaging starts, for its time and bytes."""
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        self.recorder = recorder
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.recorder.sync_begin = {"t": self.recorder._now(), **self.recorder.counters()}
+
+
+class LocalSGDCallback(TrainerCallback):
+    """Accelerate's `LocalSGD` around the Trainer's loop: no gradient sync, parameters averaged every H steps."""
+
+    def __init__(self, trainer: FedShardTrainer, sync_steps: int) -> None:
+        self.trainer, self.sync_steps, self.local_sgd = trainer, sync_steps, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.local_sgd = LocalSGD(self.trainer.accelerator, self.trainer.model_wrapped, self.sync_steps)
+        self.local_sgd.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.local_sgd.step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.local_sgd.__exit__(None, None, None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    disable_progress_bars()
+    bench, args = HfArgumentParser((BenchArguments, FedShardTrainingArguments)).parse_args_into_dataclasses(argv)
+    data = load_from_disk(os.path.join(bench.data_dir, "blocks"))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(bench.data_dir, "tokenizer"))
+    set_seed(args.seed)
+    model = build_model(bench.model_size, len(tokenizer), len(data["train"][0]["input_ids"]))
+    params = sum(p.numel() for p in model.parameters())
+    # Accelerate's FSDP2 keeps the [final norm, output head] unit unsharded after forward: gathered once per step.
+    once_params = sum(p.numel() for name, p in model.named_parameters() if name.startswith(("lm_head.", "model.norm.")))
+    trainer = FedShardTrainer(
+        model=model,
+        args=args,
+        train_dataset=data["train"],
+        eval_dataset=data["validation"],
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+    )
+    recorder = StepRecorder(read_counters=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+    averaging = LocalSGDCallback(trainer, bench.local_sgd_steps) if bench.local_sgd_steps else trainer.fed_callback
+    if averaging is not None:  # (re-)added after the stamp, so the stamp runs right before it
+        if averaging is trainer.fed_callback:
+            trainer.remove_callback(averaging)
+        trainer.add_callback(SyncStamp(recorder))
+        if not bench.no_averaging:
+            trainer.add_callback(averaging)
+    trainer.add_callback(recorder)
+    trainer.train()
+    fed = trainer.fed_callback.metrics() if trainer.fed_callback is not None and not bench.no_averaging else {}
+    record = {
+        "rank": args.process_index,
+        "node": int(os.environ.get("GROUP_RANK", "0")),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "method": trainer.fed_layout.method if args.fed_requested else ("LocalSGD" if bench.local_sgd_steps else "—"),
+        "params": params,
+        "once_params": once_params,
+        "units": model.config.num_hidden_layers + 2,  # blocks, input embedding, [final norm, output head]
+        "steps": recorder.steps,
+        "evals": recorder.evals,
+        "fed": fed,
+        "log_history": trainer.state.log_history if args.process_index == 0 else [],
+    }
+    Path(bench.record_dir).mkdir(parents=True, exist_ok=True)
+    Path(bench.record_dir, f"rank{args.process_index}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

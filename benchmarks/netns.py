@@ -1,0 +1,253 @@
+"""An emulated two-tier cluster on one Linux machine: a network namespace per node, rate-limited links between.
+
+Topology, all inside namespaces this module creates (nothing is added to the host's own network)::
+
+    node i   namespace fsb<pid>n<i>: lo, and "uplink" (10.213.0.<i+1>/24) with a tbf qdisc at the link rate
+    switch   namespace fsb<pid>sw:  bridge "br0" whose ports "port<i>" each have a tbf qdisc at the link rate
+
+Each veth pair (uplink of node i <-> port<i> of the switch) is a full-duplex link of ``rate_mbit`` in each
+direction: the node's uplink shapes what the node sends, the switch port what it receives. Ranks of one node
+talk through their namespace's own stack and never touch the veth (the fast tier); ranks of different nodes
+cross two shaped veths (the slow tier). Byte counters of each uplink (``/sys/class/net/uplink/statistics``)
+are the inter-node traffic of that node.
+
+Token-bucket size: ``tc-tbf(8)`` says the burst must be at least rate / HZ, or the qdisc cannot reach its
+rate; we use 10 ms of traffic (right for any HZ >= 100). ``netem`` (delay, loss) is not available here.
+
+Every namespace is removed on exit of the ``with`` block, also on an exception, Ctrl-C or SIGTERM (see
+:func:`handle_termination`): processes launched in the cluster are killed first, since a namespace with
+processes inside outlives its name. Namespaces of an earlier run whose process died are removed on start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUBNET = "10.213.0"
+UPLINK = "uplink"
+BURST_S = 0.010  # token bucket of 10 ms of traffic: tc-tbf(8) needs at least rate / HZ
+QUEUE_LATENCY_MS = 50  # tbf drops what would wait longer than this in its queue
+_NAME = re.compile(r"^fsb(\d+)(?:n\d+|sw)$")
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True, timeout=30)
+
+
+def list_namespaces() -> list[str]:
+    """Names of all network namespaces on the machine (ours have the ``fsb<pid>`` prefix)."""
+    out = _ip("netns", "list").stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Remove namespaces left by an earlier run of this module whose process is gone (e.g. killed by SIGKILL)."""
+    removed = []
+    for name in list_namespaces():
+        match = _NAME.match(name)
+        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+            _ip("netns", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+@contextlib.contextmanager
+def handle_termination() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into ``SystemExit`` (as Ctrl-C is a ``KeyboardInterrupt``) so ``finally`` runs."""
+
+    def _exit(signum: int, _frame) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, _exit) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class Cluster:
+    """``nodes`` namespaces joined by a switch, each link shaped to ``rate_mbit``; use as a context manager.
+
+    Args:
+        nodes: number of emulated nodes (one namespace each).
+        rate_mbit: link rate between a node and the switch, in Mbit/s, in each direction.
+    """
+
+    nodes: int
+    rate_mbit: float = 100.0
+    prefix: str = field(default_factory=lambda: f"fsb{os.getpid()}")
+    created: list[str] = field(default_factory=list, init=False)
+    _procs: list[subprocess.Popen] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 2:
+            raise ValueError(f"nodes={self.nodes}: a two-tier cluster needs at least 2 nodes.")
+        if not self.rate_mbit > 0:
+            raise ValueError(f"rate_mbit={self.rate_mbit}: the link rate must be positive (Mbit/s).")
+        if os.geteuid() != 0:
+            raise PermissionError("Network namespaces need root: run the benchmark as root (CI runs as root).")
+
+    def namespace(self, node: int) -> str:
+        return f"{self.prefix}n{node}"
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}sw"
+
+    def address(self, node: int) -> str:
+        """IP address of ``node``'s uplink (inside its namespace only)."""
+        return f"{SUBNET}.{node + 1}"
+
+    def __enter__(self) -> Cluster:
+        remove_stale_namespaces()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _add_namespace(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self.created.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+
+    def _shape(self, namespace: str, device: str) -> None:
+        rate_bytes_s = self.rate_mbit * 1e6 / 8
+        burst = max(int(rate_bytes_s * BURST_S), 16 * 1024)
+        cmd = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
+               "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", f"{QUEUE_LATENCY_MS}ms"]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
+
+    def _build(self) -> None:
+        self._add_namespace(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for node in range(self.nodes):
+            ns, port = self.namespace(node), f"port{node}"
+            self._add_namespace(ns)
+            _ip("link", "add", UPLINK, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", port, "master", "br0")
+            _ip("-n", self.switch, "link", "set", port, "up")
+            _ip("-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", UPLINK)
+            _ip("-n", ns, "link", "set", UPLINK, "up")
+            self._shape(ns, UPLINK)
+            self._shape(self.switch, port)
+
+    def counters(self, node: int) -> dict[str, int]:
+        """Bytes and packets sent and received so far by ``node``'s uplink (its inter-node traffic)."""
+        stats = f"/sys/class/net/{UPLINK}/statistics"
+        names = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
+        cmd = ["ip", "netns", "exec", self.namespace(node), "cat", *(f"{stats}/{n}" for n in names)]
+        values = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30).stdout.split()
+        return dict(zip(names, map(int, values), strict=True))
+
+    def probe_goodput(self, src: int, dst: int, seconds: float = 2.0, port: int = 29400) -> dict[str, float]:
+        """TCP goodput from node ``src`` to ``dst`` (one stream for ``seconds``): what the shaped link delivers."""
+        receiver = (
+            "import socket,sys,time\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+            f"s.bind(('{self.address(dst)}',{port}));s.listen(1);print('ready',flush=True);c,_=s.accept();n=0\n"
+            "t=time.perf_counter()\nwhile (b:=c.recv(1<<20)):\n n+=len(b)\nprint(n,time.perf_counter()-t)"
+        )
+        sender = (
+            f"import socket,time\nc=socket.create_connection(('{self.address(dst)}',{port}),timeout=30)\n"
+            f"buf=bytes(1<<16);end=time.perf_counter()+{seconds}\nwhile time.perf_counter()<end:\n c.sendall(buf)\n"
+            "c.close()"
+        )
+        rx = subprocess.Popen(["ip", "netns", "exec", self.namespace(dst), "python3", "-c", receiver],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            rx.stdout.readline()
+            subprocess.run(["ip", "netns", "exec", self.namespace(src), "python3", "-c", sender],
+                           check=True, timeout=seconds + 30)  # fmt: skip
+            nbytes, elapsed = rx.communicate(timeout=30)[0].split()
+        finally:
+            if rx.poll() is None:
+                rx.kill()
+                rx.wait()
+        mbit_s = int(nbytes) * 8 / float(elapsed) / 1e6
+        return {"rate_mbit": self.rate_mbit, "goodput_mbit": round(mbit_s, 2), "probe_s": round(float(elapsed), 2)}
+
+    def launch(self, node: int, argv: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        """Start ``argv`` inside ``node``'s namespace, in its own process group, output to ``log``."""
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", self.namespace(node), *argv],
+                env={**os.environ, **env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._procs.append(proc)
+        return proc
+
+    def run(self, commands: Sequence[Sequence[str]], env: dict[str, str], logs: Sequence[Path], timeout_s: float):
+        """Run one command per node to completion; return the exit codes.
+
+        Raises ``TimeoutError`` after ``timeout_s`` (having killed every process), and stops the other nodes as
+        soon as one fails, since its peers would otherwise wait for it until the collective timeout.
+        """
+        procs = [self.launch(node, cmd, env, log) for node, (cmd, log) in enumerate(zip(commands, logs, strict=True))]
+        deadline = time.monotonic() + timeout_s
+        try:
+            while None in (codes := [p.poll() for p in procs]):
+                if any(code not in (None, 0) for code in codes):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the run did not finish within {timeout_s:.0f} s; logs: {list(map(str, logs))}")
+                time.sleep(0.2)
+        finally:
+            self._kill()
+        return [p.returncode for p in procs]
+
+    def _kill(self, grace_s: float = 5.0) -> None:
+        """Stop every process group this cluster launched: SIGTERM, then SIGKILL after ``grace_s``."""
+        alive = [p for p in self._procs if p.poll() is None]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+            deadline = time.monotonic() + grace_s
+            while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            alive = [p for p in alive if p.poll() is None]
+            if not alive:
+                break
+        self._procs = [p for p in self._procs if p.poll() is None]
+
+    def close(self) -> None:
+        """Kill what runs in the cluster, then delete every namespace it made (their links go with them)."""
+        blocked = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._kill()
+            for name in reversed(self.created):
+                _ip("netns", "del", name, check=False)
+            self.created = [name for name in self.created if name in list_namespaces()]
+        finally:
+            for sig, handler in blocked.items():
+                signal.signal(sig, handler)
+        if self.created:
+            raise RuntimeError(f"could not remove network namespaces {self.created}; remove with `ip netns del`.")

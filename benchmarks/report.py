@@ -1,0 +1,281 @@
+"""Figures of a benchmark run from the ranks' records: throughput, bytes (measured and predicted), perplexity.
+
+Pure functions of the records (testable without a cluster), plus the writers of the JSON, Markdown and PNGs.
+
+Definitions (the same for every method):
+- training clock: wall-clock seconds since the start of training, less the time spent evaluating and logging;
+- throughput: world tokens per second over windows of H consecutive steps after the warm-up window, each
+  window ending with a sync (so the averaging is paid for); the median over windows;
+- inter-node bytes: the uplinks' ``tx_bytes`` summed over nodes, over the optimizer steps only (evaluations
+  left out), divided by the number of steps; predicted by :mod:`hf_fedshard.cost` with gloo's reduce-scatter;
+- eval perplexity at equal tokens: after the last step (every method reads the same tokens per step);
+  at equal wall time: the last evaluation made within T*, the training clock of the fastest real method.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from hf_fedshard.cost import GLOO, ModelCost, Network, step_cost
+from hf_fedshard.mesh import FederationLayout
+
+AVERAGING = ("FL+FSDP", "FL+HSDP", "LocalSGD")
+BYTES_TOLERANCE = 0.15
+
+
+def layout_of(method: str, cfg: dict) -> tuple[FederationLayout, int | None]:
+    """The federation layout of ``method`` as bench_train.py runs it, and its H (``None``: no averaging)."""
+    w, r, h = cfg["nodes"] * cfg["ranks_per_node"], cfg["ranks_per_node"], cfg["sync_steps"]
+    return {
+        "FSDP": (FederationLayout(w), None),
+        "HSDP": (FederationLayout(w, w, r), None),
+        "FL+FSDP": (FederationLayout(w, r), h),
+        "FL+HSDP": (FederationLayout(w, 2 * r, r), h),
+        "ideal": (FederationLayout(w, r), None),
+        "LocalSGD": (FederationLayout(w, 1, 1), h),  # every rank its own group of one, world all-reduce
+    }[method]
+
+
+def clock_at(steps: list[dict], step: int) -> float:
+    """Training clock at the end of optimizer step ``step`` (0: the start)."""
+    return 0.0 if step == 0 else steps[step - 1]["train_clock_s"]
+
+
+def window_throughputs(steps: list[dict], tokens_per_step: int, window: int, warmup: int) -> list[float]:
+    """World tokens/s of each window of ``window`` steps after the first ``warmup`` steps."""
+    return [
+        window * tokens_per_step / (clock_at(steps, k + window) - clock_at(steps, k))
+        for k in range(warmup, len(steps) - window + 1, window)
+    ]
+
+
+def perplexity_at(evals: list[dict], clock_s: float) -> dict:
+    """The last evaluation made within ``clock_s`` seconds of training."""
+    done = [e for e in evals if e["train_clock_s"] <= clock_s + 1e-9]
+    last = done[-1]
+    return {
+        "step": last["step"],
+        "train_clock_s": last["train_clock_s"],
+        "eval_perplexity": math.exp(last["eval_loss"]),
+    }
+
+
+def predicted(method: str, cfg: dict, record: dict, compute_s: float | None) -> dict:
+    """The cost model's bytes per step (and, given the compute time, s/step) for this run."""
+    layout, h = layout_of(method, cfg)
+    model = ModelCost(record["params"], record["once_params"], record["units"], 4, 4, 4, reduce_scatter=GLOO)
+    network = Network(inter_node_bytes_s=cfg["rate_mbit"] * 1e6 / 8, intra_node_bytes_s=math.inf)
+    cost = step_cost(model, layout, cfg["ranks_per_node"], h, network, compute_s or 0.0, method)
+    return {
+        "inter_bytes_per_step": cost.inter_bytes_per_node * cfg["nodes"],
+        "inter_bytes_per_node_per_step": cost.inter_bytes_per_node,
+        "intra_bytes_per_rank_per_step": cost.intra_bytes_per_rank,
+        "s_per_step": cost.serial_s if compute_s is not None else None,
+    }
+
+
+def summarize_method(method: str, records: list[dict], cfg: dict) -> dict:
+    """Every measured figure of one method (before comparison with the others)."""
+    rank0 = next(r for r in records if r["rank"] == 0)
+    steps, h = rank0["steps"], cfg["sync_steps"]
+    tokens = cfg["nodes"] * cfg["ranks_per_node"] * cfg["batch_size"] * cfg["block_size"]
+    windows = window_throughputs(steps, tokens, h, cfg["warmup_steps"])
+    node_records = sorted((r for r in records if r["local_rank"] == 0), key=lambda r: r["node"])
+    tx = [sum(s["tx_bytes"] for s in r["steps"]) for r in node_records]
+    layout, sync = layout_of(method, cfg)
+    syncs = [s for s in steps if sync is not None and s["step"] % sync == 0]
+    rate_bytes_s = cfg["rate_mbit"] * 1e6 / 8
+    averaging = [
+        {"step": s["step"], "sync_s": s["sync_s"], "node0_tx_bytes": s["sync_tx_bytes"],
+         "ratio_to_bytes_over_rate": s["sync_s"] / (s["sync_tx_bytes"] / rate_bytes_s)}
+        for s in syncs if s.get("sync_tx_bytes")
+    ]  # fmt: skip
+    evals = [{**e, "eval_perplexity": math.exp(e["eval_loss"])} for e in rank0["evals"]]
+    return {
+        "layout": layout.describe() if method != "LocalSGD" else f"DDP over {layout.world_size} ranks",
+        "averages_every": sync,
+        "params": rank0["params"],
+        "tokens_per_step": tokens,
+        "window_tokens_per_s": windows,
+        "tokens_per_s": statistics.median(windows),
+        "s_per_step": tokens / statistics.median(windows),
+        "train_clock_s": clock_at(steps, len(steps)),
+        "step_s": [s["end_s"] - s["begin_s"] for s in steps],
+        "inter_bytes_per_node": tx,
+        "inter_bytes_per_step": sum(tx) / len(steps),
+        "averaging": averaging,
+        "averaging_ratio_median": statistics.median(a["ratio_to_bytes_over_rate"] for a in averaging)
+        if averaging
+        else None,
+        "evals": evals,
+        "final_eval_perplexity": evals[-1]["eval_perplexity"],
+        "fed_counters_rank0": rank0["fed"],
+    }
+
+
+def targets(methods: dict) -> list[dict]:
+    """The issue's targets, each with the measured value and whether it is met (only for methods that ran)."""
+
+    def ratio(a: str, b: str, key: str = "tokens_per_s") -> float | None:
+        return methods[a][key] / methods[b][key] if a in methods and b in methods else None
+
+    rows = [
+        ("FL+FSDP tokens/s ≥ 3× FSDP", ratio("FL+FSDP", "FSDP"), 3.0, "≥"),
+        ("FL+FSDP tokens/s ≥ 90% of ideal", ratio("FL+FSDP", "ideal"), 0.90, "≥"),
+        ("FL+HSDP tokens/s ≥ 2× HSDP", ratio("FL+HSDP", "HSDP"), 2.0, "≥"),
+        ("FL+FSDP eval ppl at equal tokens ≤ 1.05× FSDP", ratio("FL+FSDP", "FSDP", "final_eval_perplexity"), 1.05, "≤"),
+    ]
+    for name in ("FL+FSDP", "FL+HSDP"):
+        if name in methods and methods[name]["averaging_ratio_median"] is not None:
+            rows.append((f"{name} averaging time ≤ 1.5× bytes ÷ link rate", methods[name]["averaging_ratio_median"],
+                         1.5, "≤"))  # fmt: skip
+    for name, m in methods.items():
+        if m["predicted"]["inter_bytes_per_step"] > 0:
+            error = m["inter_bytes_per_step"] / m["predicted"]["inter_bytes_per_step"] - 1
+            rows.append((f"{name} inter-node bytes within 15% of the model (measured/predicted - 1)", error,
+                         BYTES_TOLERANCE, "|≤|"))  # fmt: skip
+    out = []
+    for label, value, bound, sense in rows:
+        if value is None:
+            continue
+        met = value >= bound if sense == "≥" else (abs(value) <= bound if sense == "|≤|" else value <= bound)
+        out.append({"target": label, "measured": value, "bound": bound, "met": met})
+    return out
+
+
+def summarize(records: dict[str, list[dict]], cfg: dict, link: dict) -> dict:
+    """All figures of a run: per method, relative to FSDP and the ideal, and the targets."""
+    methods = {name: summarize_method(name, recs, cfg) for name, recs in records.items()}
+    compute_s = methods["ideal"]["s_per_step"] if "ideal" in methods else None
+    finish = [m["train_clock_s"] for name, m in methods.items() if name != "ideal"]
+    equal_time_s = min(finish) if finish else None
+    for name, m in methods.items():
+        rank0 = next(r for r in records[name] if r["rank"] == 0)
+        m["predicted"] = predicted(name, cfg, rank0, compute_s)
+        m["bytes_measured_over_predicted"] = (
+            m["inter_bytes_per_step"] / m["predicted"]["inter_bytes_per_step"]
+            if m["predicted"]["inter_bytes_per_step"]
+            else None
+        )
+        m["speedup_vs_fsdp"] = m["tokens_per_s"] / methods["FSDP"]["tokens_per_s"] if "FSDP" in methods else None
+        m["fraction_of_ideal"] = m["tokens_per_s"] / methods["ideal"]["tokens_per_s"] if "ideal" in methods else None
+        m["eval_at_equal_time"] = perplexity_at(m["evals"], equal_time_s) if equal_time_s is not None else None
+    return {"config": cfg, "link": link, "equal_time_s": equal_time_s, "methods": methods, "targets": targets(methods)}
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.2f}"
+
+
+def _x(value: float | None, digits: int = 2, suffix: str = "×") -> str:
+    return "—" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def markdown(results: dict) -> str:
+    """The results table, the targets and the run's conditions, as Markdown."""
+    cfg, link = results["config"], results["link"]
+    lines = [
+        f"{cfg['nodes']} nodes × {cfg['ranks_per_node']} ranks, links {cfg['rate_mbit']:g} Mbit/s (TCP goodput "
+        f"measured {link['goodput_mbit']:.1f} Mbit/s), Llama `{cfg['model_size']}`, {cfg['steps']} steps of "
+        f"{cfg['nodes'] * cfg['ranks_per_node']} × {cfg['batch_size']} × {cfg['block_size']} tokens, H = "
+        f"{cfg['sync_steps']}, throughput after {cfg['warmup_steps']} warm-up steps; equal wall time T* = "
+        f"{results['equal_time_s']:.1f} s of training. Predicted s/step: the ideal's measured s/step as compute, plus "
+        "the predicted bytes through a node's uplink ÷ link rate.",
+        "",
+        "| method | layout | tokens/s | s/step (predicted) | vs FSDP | of ideal | inter-node MB/step measured | "
+        "predicted | measured/predicted | eval ppl, equal tokens | eval ppl at T* (step) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, m in results["methods"].items():
+        at_t = m["eval_at_equal_time"]
+        lines.append(
+            f"| {name} | {m['layout']} | {m['tokens_per_s']:,.0f} | {m['s_per_step']:.2f} "
+            f"({_x(m['predicted']['s_per_step'], 2, '')}) | "
+            f"{_x(m['speedup_vs_fsdp'])} | {_x(m['fraction_of_ideal'] and 100 * m['fraction_of_ideal'], 0, '%')} | "
+            f"{_mb(m['inter_bytes_per_step'])} | {_mb(m['predicted']['inter_bytes_per_step'])} | "
+            f"{_x(m['bytes_measured_over_predicted'], 3, '')} | {m['final_eval_perplexity']:.1f} | "
+            f"{at_t['eval_perplexity']:.1f} ({at_t['step']}) |"
+        )
+    lines += ["", "| target | measured | met |", "|---|---:|:---:|"]
+    for t in results["targets"]:
+        value = f"{100 * t['measured']:+.1f}%" if "15%" in t["target"] else f"{t['measured']:.2f}"
+        lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else '**no**'} |")
+    machine = results.get("machine")
+    if machine:
+        load = machine["before"]["loadavg_1_5_15"]
+        command = results.get("command", "two_tier.py")
+        lines += ["", f"Figures from one run of `{command}`, started {machine['started']}, "
+                      f"{machine['wall_s']} s in all; load average before it "
+                      f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) on {machine['before']['cpus']} "
+                      "CPUs."]  # fmt: skip
+        others = {name: m.get("other_processes_cores") for name, m in machine.get("after_each_method", {}).items()}
+        if others and None not in others.values():
+            lines[-1] += (
+                " CPU cores kept busy by other processes during each method (average): "
+                + ", ".join(f"{name} {cores:.2f}" for name, cores in others.items())
+                + "."
+            )
+    return "\n".join(lines)
+
+
+def plot(results: dict, out: Path) -> list[Path]:
+    """Throughput per method (bars) and eval perplexity against the training clock (lines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = results["methods"]
+    names = list(methods)
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    bars = ax.bar(names, [methods[n]["tokens_per_s"] for n in names], color="tab:blue")
+    ax.bar_label(bars, labels=[_x(methods[n]["speedup_vs_fsdp"]) for n in names], fontsize=8)
+    ax.set_ylabel("world tokens/s")
+    ax.set_title(f"Throughput at {results['config']['rate_mbit']:g} Mbit/s between nodes (labels: vs FSDP)", fontsize=9)
+    fig.tight_layout()
+    throughput = out / "throughput.png"
+    fig.savefig(throughput)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    for name in names:
+        evals = methods[name]["evals"]
+        style = ":" if name == "ideal" else "-"
+        ax.plot([e["train_clock_s"] for e in evals], [e["eval_perplexity"] for e in evals], style, marker="o",
+                markersize=3, label=name)  # fmt: skip
+    ax.axvline(results["equal_time_s"], color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("training clock (s, evaluations excluded)")
+    ax.set_ylabel("eval perplexity")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    curves = out / "perplexity_vs_time.png"
+    fig.savefig(curves)
+    plt.close(fig)
+    return [throughput, curves]
+
+
+def write(results: dict, out: Path) -> None:
+    """results.json (every figure), results.md (the tables) and the two plots into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(results) + "\n")
+    plot(results, out)
+
+
+BEGIN, END = "<!-- results:begin (written by two_tier.py --update-readme) -->", "<!-- results:end -->"
+
+
+def update_readme(results: dict, out: Path, readme: Path) -> None:
+    """Replace the README's results block by this run's tables and plots."""
+    rel = out.relative_to(readme.parent)
+    block = "\n".join([BEGIN, markdown(results), "", f"![throughput]({rel}/throughput.png)",
+                       f"![eval perplexity against training time]({rel}/perplexity_vs_time.png)", END])  # fmt: skip
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{readme} has no results block; add the lines {BEGIN!r} and {END!r}.")
+    head, rest = text.split(BEGIN, 1)
+    readme.write_text(head + block + rest.split(END, 1)[1])

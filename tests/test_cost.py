@@ -1,0 +1,144 @@
+"""The cost model on hand-checkable cases, its closed forms against its ring counting, and its CLI."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_fedshard.cost import (
+    GLOO,
+    PAPER_HEADLINE_SPEEDUP,
+    RING,
+    ModelCost,
+    Network,
+    bandwidth_for_speedup,
+    llama_parameters,
+    main,
+    paper_setting,
+    ring_hop_bytes,
+    ring_hops,
+    speedups,
+    step_cost,
+)
+from hf_fedshard.mesh import FederationLayout
+from hf_fedshard.models import PRESETS, llama_config
+
+
+def test_ring_hop_bytes_of_each_collective():
+    assert ring_hop_bytes("all_gather", 4, 1000) == 750
+    assert ring_hop_bytes("reduce_scatter", 4, 1000, RING) == 750
+    assert ring_hop_bytes("reduce_scatter", 4, 1000, GLOO) == 1500  # gloo all-reduces the input
+    assert ring_hop_bytes("all_reduce", 4, 1000) == 1500
+    assert ring_hop_bytes("all_reduce", 1, 1000) == 0
+    with pytest.raises(ValueError, match="kind='broadcast'"):
+        ring_hop_bytes("broadcast", 4, 1000)
+
+
+@pytest.mark.parametrize(
+    ("ring", "ranks_per_node", "hops"),
+    [([0, 1, 2, 3], 2, (2, 2)), ([0, 2], 2, (0, 2)), ([0, 1], 2, (2, 0)), ([5], 2, (0, 0)), ([0, 4, 8, 12], 8, (2, 2))],
+)
+def test_ring_hops_count_node_crossings(ring, ranks_per_node, hops):
+    assert ring_hops(ring, ranks_per_node) == hops
+
+
+def test_two_groups_one_step_exact_bytes():
+    """FL+FSDP, 2 nodes × 2 ranks, a group per node, H = 1, P = 1000 fp32, nothing gathered once.
+
+    Fed rings {0, 2} and {1, 3} all-reduce a 2000-byte shard: 2 × 1/2 × 2000 = 2000 bytes per hop, 2 hops
+    each, both across nodes: 8000 bytes, 4000 per node, 2000 per rank. Shard rings {0, 1} and {2, 3}:
+    all-gather 4 × 2 × 1000 = 8000 bytes (4000 a hop) and reduce-scatter 4000 (2000 a hop), 2 hops each,
+    inside the node: 2 × 2 × 6000 = 24000 bytes, 6000 per rank.
+    """
+    model = ModelCost(params=1000, once_params=0, units=1, param_bytes=4, grad_bytes=4, sync_bytes=4)
+    cost = step_cost(model, FederationLayout(4, 2), ranks_per_node=2, sync_steps=1)
+    assert (cost.inter_bytes_per_node, cost.inter_bytes_per_rank, cost.intra_bytes_per_rank) == (4000, 2000, 6000)
+    assert step_cost(model, FederationLayout(4, 2), 2, sync_steps=8).inter_bytes_per_rank == 250
+    assert step_cost(model, FederationLayout(4, 2), 2, sync_steps=None).inter_bytes_per_rank == 0  # the ideal
+
+
+def test_step_time_is_bytes_over_bandwidth_plus_compute():
+    model = ModelCost(params=1000, once_params=0, units=1, param_bytes=4, grad_bytes=4, sync_bytes=4)
+    network = Network(inter_node_bytes_s=1000, intra_node_bytes_s=math.inf)
+    cost = step_cost(model, FederationLayout(4, 2), 2, 1, network, compute_s=1.5)
+    assert cost.comm_s == pytest.approx(4.0)  # 4000 bytes through each node's uplink at 1000 B/s
+    assert (cost.serial_s, cost.overlapped_s) == (pytest.approx(5.5), pytest.approx(4.0))
+
+
+P, ONCE = 10_000, 1_000
+B_P, B_G, B_S = 2, 4, 4
+
+
+@pytest.mark.parametrize(("world", "per_node"), [(4, 2), (8, 2), (16, 4), (512, 4)])
+def test_closed_forms_match_ring_counting(world, per_node):
+    """The module docstring's closed forms (bytes a node sends per step), RING reduce-scatter, H = 8."""
+    model = ModelCost(P, ONCE, units=3, param_bytes=B_P, grad_bytes=B_G, sync_bytes=B_S)
+    a, nodes, h = B_P * (2 * P - ONCE), world // per_node, 8
+    q = 2  # FL+HSDP: 2 nodes per group
+    expected = {
+        FederationLayout(world): (world - 1) / world * (a + B_G * P),
+        FederationLayout(world, world, per_node): 2 * (nodes - 1) / nodes * B_G * P,
+        FederationLayout(world, per_node): 2 * (nodes - 1) / nodes * B_S * P / h,
+        FederationLayout(world, q * per_node, per_node): 2 * (q - 1) / q * B_G * P
+        + 2 * (nodes // q - 1) / (nodes // q) * B_S * P / h,
+    }
+    for layout, per_node_bytes in expected.items():
+        cost = step_cost(model, layout, per_node, h)
+        assert cost.inter_bytes_per_node == pytest.approx(per_node_bytes), layout.method
+        assert cost.inter_bytes_per_rank == pytest.approx(per_node_bytes / per_node), layout.method
+
+
+def test_local_sgd_is_groups_of_one_rank():
+    """LocalSGD (DDP, world all-reduce of fp32 parameters every H steps) as groups of one rank."""
+    model = ModelCost(P, ONCE, units=3)
+    cost = step_cost(model, FederationLayout(4, 1, 1), ranks_per_node=2, sync_steps=8)
+    assert cost.inter_bytes_per_node == pytest.approx(2 * 3 / 4 * 4 * P / 8)  # one ring hop out of each node
+
+
+def test_errors_name_the_values():
+    model = ModelCost(P, ONCE, units=3)
+    with pytest.raises(ValueError, match="ranks_per_node=3 must divide WORLD_SIZE"):
+        step_cost(model, FederationLayout(4, 2), ranks_per_node=3, sync_steps=8)
+    with pytest.raises(ValueError, match="sync_steps=0"):
+        step_cost(model, FederationLayout(4, 2), ranks_per_node=2, sync_steps=0)
+    with pytest.raises(ValueError, match="once_params=20 must lie in"):
+        ModelCost(10, 20, units=1)
+
+
+@pytest.mark.parametrize("size", ["micro", "tiny", "small"])
+def test_llama_parameter_count_matches_transformers(size):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(llama_config(size, 8192, 128))
+    shape = PRESETS[size]
+    params, once = llama_parameters(
+        shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"], shape["num_attention_heads"],
+        shape["num_key_value_heads"], 8192,
+    )  # fmt: skip
+    assert params == sum(p.numel() for p in model.parameters())
+    assert once == sum(p.numel() for n, p in model.named_parameters() if n.startswith(("lm_head.", "model.norm.")))
+
+
+def test_paper_setting_and_bandwidth_for_speedup():
+    setting = paper_setting()
+    assert setting.model.params == 8_030_261_248  # Llama 3.1 8B
+    costs = setting.costs()
+    assert speedups(costs)["FSDP"] == 1.0
+    assert costs["FL+FSDP"].inter_bytes_per_node < costs["FSDP"].inter_bytes_per_node / 7
+    bandwidth = bandwidth_for_speedup(setting, "FL+FSDP", 3.0)
+    from dataclasses import replace
+
+    at = replace(setting, network=replace(setting.network, inter_node_bytes_s=bandwidth))
+    assert speedups(at.costs())["FL+FSDP"] == pytest.approx(3.0, rel=1e-6)
+    ceiling = costs["FSDP"].inter_bytes_per_node / costs["FL+FSDP"].inter_bytes_per_node
+    assert bandwidth_for_speedup(setting, "FL+FSDP", ceiling + 0.5) is None
+
+
+def test_cli_prints_projection_beside_the_headline(capsys):
+    main(["--inter-node-gbit", "100"])
+    out = capsys.readouterr().out
+    for text in ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", f"{PAPER_HEADLINE_SPEEDUP}×", "Why they differ", "100 Gb/s"):
+        assert text in out
