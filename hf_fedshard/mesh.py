@@ -17,11 +17,14 @@ Accelerate reads the mesh through a :class:`FederatedParallelismConfig`: its FSD
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
 
+import torch.distributed as dist
 from accelerate import ParallelismConfig
 from torch.distributed import ProcessGroup, new_subgroups_by_enumeration
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -179,3 +182,19 @@ def fed_process_group(mesh: DeviceMesh, layout: FederationLayout, timeout_s: flo
 def group_process_group(mesh: DeviceMesh) -> ProcessGroup:
     """The process group of every rank of this rank's federation group (fast tier): checkpoints, flags."""
     return mesh.get_group(MeshAxis.DATA.value)
+
+
+@functools.cache
+def destroy_gloo_groups_at_exit() -> None:
+    """Destroy the gloo process groups at interpreter exit, once registered (idempotent).
+
+    Trainer scripts rarely call ``destroy_process_group``; a gloo process that leaves it to interpreter
+    finalization can abort with "terminate called without an active exception" (pytorch/pytorch#190489).
+    Destroying a gloo group is local to the rank, so doing it at exit never waits for another rank.
+    """
+    atexit.register(_destroy_gloo_groups)
+
+
+def _destroy_gloo_groups() -> None:
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()

@@ -35,7 +35,7 @@ from .checkpoint import (
 )
 from .errors import ConfigError
 from .fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
-from .mesh import FederationLayout, fed_process_group, group_process_group
+from .mesh import FederationLayout, destroy_gloo_groups_at_exit, fed_process_group, group_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class FedShardTrainer(Trainer):
                 "Unfreeze some parameters (or attach a PEFT adapter) before building the trainer."
             )
         super().__init__(model, args, *pos, **kwargs)
+        destroy_gloo_groups_at_exit()
         self.clock = TrainingClock()
         self.add_callback(self.clock)
         self._card_kwargs: dict[str, Any] = {}

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, set_seed
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
+from hf_fedshard.mesh import destroy_gloo_groups_at_exit
 
 SEQ_LEN = 16
 VOCAB = 128
@@ -174,6 +175,7 @@ class SaveKillingTrainer(FedShardTrainer):
 def main(argv: list[str] | None = None) -> None:
     parser = HfArgumentParser((ScriptArguments, FedShardTrainingArguments))
     script, args = parser.parse_args_into_dataclasses(argv)
+    destroy_gloo_groups_at_exit()  # the plain-Trainer reference runs need it too
     model = tiny_llama()
     if script.freeze_all:
         model.requires_grad_(False)
