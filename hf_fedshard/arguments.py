@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from transformers import TrainingArguments
+from transformers.trainer_utils import IntervalStrategy
 
 from .errors import ConfigError
 from .mesh import FederationLayout
@@ -42,6 +43,12 @@ class FedShardTrainingArguments(TrainingArguments):
         fed_sync_steps (`int`, defaults to 8): H, optimizer steps between two averagings (the paper's 8).
         fed_average_optimizer_state (`bool`, defaults to `False`): also average the optimizer's moments;
             off in the paper, and it doubles or triples the inter-group bytes with Adam.
+
+    Evaluation:
+        fed_eval_per_group (`bool`, defaults to `False`): at each evaluation during training, first evaluate
+            every group's own model (before the averaging that precedes the evaluation), logged as
+            `eval_group{g}_loss` / `eval_group{g}_perplexity` beside the global model's `eval_loss`. Each group
+            reads the whole eval set over its own ranks, so an evaluation costs about twice as much.
 
     Fault tolerance (docs/fault_tolerance.md):
         fed_timeout_s (`float`, *optional*): seconds an averaging waits for the other groups before it fails
@@ -80,6 +87,13 @@ class FedShardTrainingArguments(TrainingArguments):
     fed_average_optimizer_state: bool = field(
         default=False,
         metadata={"help": "Also average the optimizer's moments across groups (more inter-group bytes)."},
+    )
+    fed_eval_per_group: bool = field(
+        default=False,
+        metadata={
+            "help": "At each evaluation during training, also evaluate every group's own model before averaging "
+            "(eval_group{g}_perplexity; one line per group in the card's plot)."
+        },
     )
     fed_timeout_s: float | None = field(
         default=None,
@@ -130,6 +144,13 @@ class FedShardTrainingArguments(TrainingArguments):
         if layout.federated:
             self.average_tokens_across_devices = False
         super().__post_init__()
+        if self.fed_eval_per_group and not (layout.federated and self.eval_strategy != IntervalStrategy.NO):
+            _notice(
+                "fed_eval_per_group has no effect %s",
+                "without evaluations during training: set --eval_strategy steps"
+                if layout.federated
+                else "with one federation group",
+            )
 
     @property
     def fed_requested(self) -> bool:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp, all_reduce, get_rank
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import TrainerCallback, TrainerControl
 
 from .averaging import all_finite, average_across_groups, model_state_tensors, optimizer_state_tensors
 
@@ -50,6 +50,8 @@ class FedAvgCallback(TrainerCallback):
         group: process group of this rank's own federation group, to agree on its divergence flag; ``None``
             when a group is one rank.
         timeout_s: the timeout ``fed_group`` was created with, quoted in the error when a group stops answering.
+        before_eval: called on every rank right before the averaging that precedes an evaluation, while the
+            groups still hold their own models (per-group evaluation).
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class FedAvgCallback(TrainerCallback):
         average_optimizer_state: bool = False,
         group: ProcessGroup | None = None,
         timeout_s: float | None = None,
+        before_eval: Callable[[], None] | None = None,
     ) -> None:
         self.fed_group = fed_group
         self.num_groups = num_groups
@@ -67,6 +70,7 @@ class FedAvgCallback(TrainerCallback):
         self.average_optimizer_state = average_optimizer_state
         self.group = group
         self.timeout_s = timeout_s
+        self.before_eval = before_eval
         self.syncs = 0
         self.inter_group_bytes = 0
         self.last_sync_seconds = 0.0
@@ -188,22 +192,21 @@ class FedAvgCallback(TrainerCallback):
             self._last_synced_step = 0
         self._output_dir = args.output_dir
 
-    def on_step_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model=None,
-        optimizer=None,
-        **kwargs,
-    ):
-        due = state.global_step % self.sync_steps == 0
-        if due or control.should_evaluate or control.should_training_stop:
-            self.sync_if_stale(model, optimizer, state.global_step)
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._sync_if_needed(control, model, optimizer, state.global_step, due=state.global_step % self.sync_steps == 0)
 
     def on_epoch_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if control.should_evaluate or control.should_training_stop:
-            self.sync_if_stale(model, optimizer, state.global_step)
+        self._sync_if_needed(control, model, optimizer, state.global_step, due=False)
+
+    def _sync_if_needed(
+        self, control: TrainerControl, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int, due: bool
+    ) -> None:
+        """Average when due, and before an evaluation or the end of training (after `before_eval`, if any)."""
+        if not (due or control.should_evaluate or control.should_training_stop):
+            return
+        if control.should_evaluate and self.before_eval is not None and step > self._last_synced_step:
+            self.before_eval()
+        self.sync_if_stale(model, optimizer, step)
 
     def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.sync_if_stale(model, optimizer, state.global_step)

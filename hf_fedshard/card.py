@@ -78,30 +78,45 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
     return rows
 
 
+def _curves(history: list[dict]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """Panel name -> line label -> (step, value) points: the global model, and each group's own if evaluated."""
+
+    def points(key: str) -> list[tuple[int, float]]:
+        return [(e["step"], e[key]) for e in history if key in e]
+
+    group_keys = sorted({k for e in history for k in e if k.startswith("eval_group") and k.endswith("_perplexity")})
+    evals = {"global model": points("eval_perplexity")}
+    evals.update(
+        {f"group {k[len('eval_group') : -len('_perplexity')]} (before averaging)": points(k) for k in group_keys}
+    )
+    return {"eval perplexity": evals, "training loss": {"training loss": points("loss")}}
+
+
 def plot_curves(history: list[dict], seconds: dict[int, float], path: Path) -> None:
-    """Eval perplexity and training loss against optimizer step and against wall-clock seconds."""
+    """Eval perplexity (global model, and each group's own model when evaluated) and training loss against
+    optimizer step and against wall-clock seconds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = {
-        "eval perplexity": [(e["step"], e["eval_perplexity"]) for e in history if "eval_perplexity" in e],
-        "training loss": [(e["step"], e["loss"]) for e in history if "loss" in e],
-    }
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), squeeze=False)
-    for row, (name, points) in enumerate(series.items()):
-        steps = [s for s, _ in points]
-        values = [v for _, v in points]
-        axes[row][0].plot(steps, values, marker="o" if row == 0 else None)
+    for row, (name, lines) in enumerate(_curves(history).items()):
+        for label, points in lines.items():
+            style = {"marker": "o" if row == 0 else None, "label": label}
+            if label.startswith("group"):
+                style.update(linestyle="--", alpha=0.7, marker=".")
+            axes[row][0].plot([s for s, _ in points], [v for _, v in points], **style)
+            timed = [(seconds[s], v) for s, v in points if s in seconds]
+            axes[row][1].plot([t for t, _ in timed], [v for _, v in timed], **style)
         axes[row][0].set_xlabel("optimizer step")
-        timed = [(seconds[s], v) for s, v in points if s in seconds]
-        axes[row][1].plot([t for t, _ in timed], [v for _, v in timed], marker="o" if row == 0 else None)
         axes[row][1].set_xlabel("wall-clock seconds")
         for ax in axes[row]:
             ax.set_ylabel(name)
             ax.set_yscale("log" if row == 0 else "linear")
             ax.grid(alpha=0.3)
+            if len(lines) > 1:
+                ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -35,6 +35,7 @@ from .checkpoint import (
 )
 from .errors import ConfigError
 from .fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
+from .group_eval import evaluate_each_group
 from .mesh import FederationLayout, destroy_gloo_groups_at_exit, fed_process_group, group_process_group
 
 logger = logging.getLogger(__name__)
@@ -80,10 +81,16 @@ class FedShardTrainer(Trainer):
                 "Unfreeze some parameters (or attach a PEFT adapter) before building the trainer."
             )
         super().__init__(model, args, *pos, **kwargs)
+        if args.fed_eval_per_group and isinstance(self.eval_dataset, dict):
+            raise ConfigError(
+                "fed_eval_per_group evaluates each group on one eval_dataset, but a dict of datasets was given. "
+                "Pass a single eval_dataset, or turn --fed_eval_per_group off."
+            )
         destroy_gloo_groups_at_exit()
         self.clock = TrainingClock()
         self.add_callback(self.clock)
         self._card_kwargs: dict[str, Any] = {}
+        self._group_eval_logs: dict[str, float] = {}
         if self.fed_layout.federated:
             self.fed_callback = FedAvgCallback(
                 fed_group=fed_process_group(self.fed_mesh, self.fed_layout, args.fed_timeout_s),
@@ -92,6 +99,7 @@ class FedShardTrainer(Trainer):
                 average_optimizer_state=args.fed_average_optimizer_state,
                 group=self._group_pg if self.fed_layout.group_size > 1 else None,
                 timeout_s=args.fed_timeout_s,
+                before_eval=self._evaluate_each_group if args.fed_eval_per_group else None,
             )
             self.add_callback(self.fed_callback)
 
@@ -123,8 +131,18 @@ class FedShardTrainer(Trainer):
         with world_data_view(self.accelerator):
             return super()._get_dataloader(*args, **kwargs)
 
+    def _evaluate_each_group(self) -> None:
+        """Evaluate every group's own model (FedAvgCallback calls this before averaging for an evaluation)."""
+        group = self._group_pg if self.fed_layout.group_size > 1 else None
+        self._group_eval_logs = evaluate_each_group(
+            self, group, self.fed_callback.fed_group, self.fed_layout.num_groups
+        )
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # Perplexity beside every loss and the federation counters, for every logger of `report_to`.
+        # Perplexity beside every loss (the groups' own too) and the federation counters, for every logger.
+        if "eval_loss" in logs:
+            logs.update(self._group_eval_logs)
+            self._group_eval_logs = {}
         for key in [k for k in logs if k == "loss" or k.endswith("_loss")]:
             logs[key[: -len("loss")] + "perplexity"] = _perplexity(logs[key])
         if self.fed_callback is not None and not any(k.startswith("eval_") for k in logs):

@@ -43,6 +43,7 @@ class ScriptArguments:
     dump_dir: str = field(metadata={"help": "Folder for the per-rank dumps."})
     trainer: str = field(default="fed", metadata={"help": "fed: FedShardTrainer; plain: transformers.Trainer."})
     num_samples: int = field(default=64, metadata={"help": "Training samples (sample i starts with token i)."})
+    num_eval_samples: int = field(default=24, metadata={"help": "Evaluation samples."})
     freeze_all: bool = field(default=False, metadata={"help": "Freeze every parameter (error case)."})
     export_dir: str | None = field(default=None, metadata={"help": "save_model() here after training."})
     export_at_step: int | None = field(
@@ -56,6 +57,9 @@ class ScriptArguments:
     sleep_group: int | None = field(default=None, metadata={"help": "Federation group that sleeps."})
     sleep_at_step: int = field(default=2, metadata={"help": "Step at whose beginning sleep_group sleeps."})
     sleep_s: float = field(default=90.0, metadata={"help": "Seconds sleep_group sleeps."})
+    record_eval_params: bool = field(
+        default=False, metadata={"help": "Keep each group's full parameters at every evaluation, before averaging."}
+    )
     nan_at: list[str] = field(
         default_factory=list, metadata={"help": "STEP:GROUPS events, e.g. 3:1 5:0,1: a NaN in those groups after STEP."}
     )
@@ -142,6 +146,17 @@ class Faults(TrainerCallback):
             (param.to_local() if isinstance(param, DTensor) else param).view(-1)[0] = math.nan
 
 
+class EvalParamsRecorder(TrainerCallback):
+    """Runs before FedAvgCallback: this group's full parameters at each step that evaluates, before averaging."""
+
+    def __init__(self) -> None:
+        self.params: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if control.should_evaluate:
+            self.params[state.global_step] = {n: full_tensor(p) for n, p in model.named_parameters()}
+
+
 class ExportMidTraining(TrainerCallback):
     """Calls save_model at the end of one step (after FedAvgCallback), keeping the parameters it found there."""
 
@@ -184,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         lambda _m, _a, kw: seen.extend(kw["input_ids"][:, 0].tolist()) if model.training else None,
         with_kwargs=True,
     )
-    kwargs = {"train_dataset": TokenDataset(script.num_samples), "eval_dataset": TokenDataset(24)}
+    kwargs = {"train_dataset": TokenDataset(script.num_samples), "eval_dataset": TokenDataset(script.num_eval_samples)}
     if script.kill_while_saving_step is not None:
         trainer = SaveKillingTrainer(
             model, args, kill_step=script.kill_while_saving_step, kill_rank=script.fault_rank, **kwargs
@@ -195,6 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     trainer.add_callback(recorder)
     if isinstance(trainer, FedShardTrainer):
         trainer.add_callback(Faults(script, args.process_index, trainer.fed_layout.group_index(args.process_index)))
+    eval_params = EvalParamsRecorder()
+    if script.record_eval_params:
+        callbacks = trainer.callback_handler.callbacks
+        callbacks.insert(callbacks.index(trainer.fed_callback), eval_params)
     exporter = None
     if script.export_at_step is not None:
         exporter = ExportMidTraining(trainer, script.export_at_step, script.export_dir)
@@ -215,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         "started_at_step": recorder.started_at_step,
         "fed_counters": trainer.fed_callback.state_dict() if getattr(trainer, "fed_callback", None) else None,
         "params_before_export": exporter.params_before if exporter else None,
+        "eval_params": eval_params.params,
         "is_dtensor": [isinstance(p, DTensor) for p in trainer.model.parameters()],
         "placements": [str(pl) for pl in param.placements] if isinstance(param, DTensor) else None,
         "mesh_shape": list(param.device_mesh.shape) if isinstance(param, DTensor) else None,

@@ -1,0 +1,66 @@
+"""Per-group evaluation: each federation group's own model on the whole eval set, before averaging.
+
+Between two averagings the groups' models drift apart; the global model that `evaluate()` reports is their
+average. Evaluating each group as well shows how far they drift and whether averaging helps or hurts (the
+paper's per-group curves). A group evaluates over its own ranks only, so no byte crosses the slow tier but
+one float per group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import datasets
+import torch
+from torch.distributed import ProcessGroup, ReduceOp, all_reduce, get_rank, get_world_size
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+
+def rank_batches(num_samples: int, rank: int, world: int, batch_size: int) -> list[list[int]]:
+    """This rank's share of ``num_samples`` (every ``world``-th sample) in batches, one list per forward.
+
+    Every rank of a group gets the same number of batches, since FSDP's all-gathers in each forward are
+    collectives of the group; a batch with no sample left for this rank is empty (the caller runs a
+    throw-away forward for it).
+    """
+    mine = list(range(rank, num_samples, world))
+    num_batches = math.ceil(math.ceil(num_samples / world) / batch_size)
+    return [mine[b * batch_size : (b + 1) * batch_size] for b in range(num_batches)]
+
+
+@torch.no_grad()
+def evaluate_each_group(
+    trainer: Trainer, group: ProcessGroup | None, fed_group: ProcessGroup, num_groups: int
+) -> dict[str, float]:
+    """``eval_group{g}_loss`` of every group's own model (the sample mean, as `eval_loss`), on every rank.
+
+    A collective over the world: each group over its own ranks, then one float per group along ``fed``.
+    """
+    dataset = trainer.eval_dataset
+    collator = trainer.data_collator
+    # Trainer's own column handling, as in `Trainer._get_dataloader`.
+    if isinstance(dataset, datasets.Dataset):
+        dataset = trainer._remove_unused_columns(dataset, description="evaluation")
+    else:
+        collator = trainer._get_collator_with_removed_columns(collator, description="evaluation")
+    rank, world = (get_rank(group), get_world_size(group)) if group is not None else (0, 1)
+    model, was_training = trainer.model, trainer.model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64)  # loss × samples, samples
+    for batch in rank_batches(len(dataset), rank, world, trainer.args.per_device_eval_batch_size):
+        inputs = trainer._prepare_inputs(collator([dataset[i] for i in batch or [0]]))
+        loss, _, _ = trainer.prediction_step(model, inputs, prediction_loss_only=True)
+        if batch:
+            totals += torch.tensor([loss.item() * len(batch), len(batch)], dtype=torch.float64)
+    model.train(was_training)
+    device = trainer.args.device
+    totals = totals.to(device)
+    if group is not None:
+        all_reduce(totals, group=group)
+    losses = torch.zeros(num_groups, dtype=torch.float64, device=device)
+    losses[get_rank(fed_group)] = totals[0] / totals[1]
+    all_reduce(losses, op=ReduceOp.SUM, group=fed_group)
+    return {f"eval_group{g}_loss": loss for g, loss in enumerate(losses.tolist())}
