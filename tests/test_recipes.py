@@ -40,7 +40,8 @@ def accelerate_launch(config: str, script: str, args: list, timeout_s: float = 4
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pretrain") / "tiny-fl-fsdp"
-    args = ["--output_dir", out, "--max_steps", "6", "--eval_steps", "4", "--logging_steps", "2", *TINY_RUN]
+    args = ["--output_dir", out, "--max_steps", "6", "--eval_steps", "4", "--logging_steps", "2",
+            "--fed_eval_per_group", "true", *TINY_RUN]  # fmt: skip
     accelerate_launch("fl_fsdp_cpu.yaml", "pretrain_clm.py", args)
     return out
 
@@ -59,6 +60,9 @@ def test_pretrain_writes_model_tokenizer_card_and_plot(pretrained):
     assert {"hf_fedshard", "fl-fsdp"} <= set(card.data.tags)
     assert "| Federation groups | 2 |" in card.text and "| Inter-group syncs | 3 |" in card.text
     assert (pretrained / "training_curves.png").stat().st_size > 10_000
+    history = json.loads((pretrained / "trainer_state.json").read_text())["log_history"]
+    (mid_eval,) = [h for h in history if "eval_loss" in h and h["step"] == 4]
+    assert {"eval_group0_perplexity", "eval_group1_perplexity"} <= set(mid_eval)  # packed datasets.Dataset path
     model = AutoModelForCausalLM.from_pretrained(pretrained)  # one process, no distributed set-up
     tokenizer = AutoTokenizer.from_pretrained(pretrained)
     assert model.config.vocab_size == len(tokenizer)
