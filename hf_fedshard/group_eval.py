@@ -15,6 +15,8 @@ import datasets
 import torch
 from torch.distributed import ProcessGroup, ReduceOp, all_reduce, get_rank, get_world_size
 
+from .errors import ConfigError
+
 if TYPE_CHECKING:
     from transformers import Trainer
 
@@ -53,6 +55,11 @@ def evaluate_each_group(
     for batch in rank_batches(len(dataset), rank, world, trainer.args.per_device_eval_batch_size):
         inputs = trainer._prepare_inputs(collator([dataset[i] for i in batch or [0]]))
         loss, _, _ = trainer.prediction_step(model, inputs, prediction_loss_only=True)
+        if loss is None:  # the same batch shape on every rank: all of them raise here together
+            raise ConfigError(
+                "fed_eval_per_group needs a loss on the eval set, but the model returned none: give the eval "
+                "samples labels (e.g. DataCollatorForLanguageModeling(mlm=False)) or turn --fed_eval_per_group off."
+            )
         if batch:
             totals += torch.tensor([loss.item() * len(batch), len(batch)], dtype=torch.float64)
     model.train(was_training)
