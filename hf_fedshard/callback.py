@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp, all_reduce, get_rank
-from transformers import TrainerCallback, TrainerControl
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import IntervalStrategy
 
 from .averaging import all_finite, average_across_groups, model_state_tensors, optimizer_state_tensors
 
@@ -193,20 +194,35 @@ class FedAvgCallback(TrainerCallback):
         self._output_dir = args.output_dir
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._sync_if_needed(control, model, optimizer, state.global_step, due=state.global_step % self.sync_steps == 0)
+        due = state.global_step % self.sync_steps == 0
+        evaluating = control.should_evaluate or _epoch_evaluation_follows(args, state, control)
+        self._sync_if_needed(model, optimizer, state.global_step, due, evaluating, control.should_training_stop)
 
     def on_epoch_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._sync_if_needed(control, model, optimizer, state.global_step, due=False)
+        step = state.global_step
+        self._sync_if_needed(model, optimizer, step, False, control.should_evaluate, control.should_training_stop)
 
     def _sync_if_needed(
-        self, control: TrainerControl, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int, due: bool
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        step: int,
+        due: bool,
+        evaluating: bool,
+        stopping: bool,
     ) -> None:
         """Average when due, and before an evaluation or the end of training (after `before_eval`, if any)."""
-        if not (due or control.should_evaluate or control.should_training_stop):
+        if not (due or evaluating or stopping):
             return
-        if control.should_evaluate and self.before_eval is not None and step > self._last_synced_step:
+        if evaluating and self.before_eval is not None and step > self._last_synced_step:
             self.before_eval()
         self.sync_if_stale(model, optimizer, step)
 
     def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.sync_if_stale(model, optimizer, state.global_step)
+
+
+def _epoch_evaluation_follows(args: TrainingArguments, state: TrainerState, control: TrainerControl) -> bool:
+    """Whether `on_epoch_end` will ask for an evaluation after this step (it decides after `on_step_end`)."""
+    epoch_ends = control.should_training_stop or abs(state.epoch - round(state.epoch)) < 1e-9
+    return args.eval_strategy == IntervalStrategy.EPOCH and epoch_ends and args.eval_delay <= state.epoch

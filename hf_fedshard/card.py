@@ -78,17 +78,19 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
     return rows
 
 
+def _is_group_ppl(key: str) -> bool:
+    return key.startswith("eval_group") and key.endswith("_perplexity")
+
+
 def _curves(history: list[dict]) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """Panel name -> line label -> (step, value) points: the global model, and each group's own if evaluated."""
 
     def points(key: str) -> list[tuple[int, float]]:
         return [(e["step"], e[key]) for e in history if key in e]
 
-    group_keys = sorted({k for e in history for k in e if k.startswith("eval_group") and k.endswith("_perplexity")})
+    groups = {int(k[len("eval_group") : -len("_perplexity")]) for e in history for k in e if _is_group_ppl(k)}
     evals = {"global model": points("eval_perplexity")}
-    evals.update(
-        {f"group {k[len('eval_group') : -len('_perplexity')]} (before averaging)": points(k) for k in group_keys}
-    )
+    evals.update({f"group {g} (before averaging)": points(f"eval_group{g}_perplexity") for g in sorted(groups)})
     return {"eval perplexity": evals, "training loss": {"training loss": points("loss")}}
 
 

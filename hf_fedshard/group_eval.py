@@ -51,18 +51,10 @@ def evaluate_each_group(
     rank, world = (get_rank(group), get_world_size(group)) if group is not None else (0, 1)
     model, was_training = trainer.model, trainer.model.training
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64)  # loss × samples, samples
-    for batch in rank_batches(len(dataset), rank, world, trainer.args.per_device_eval_batch_size):
-        inputs = trainer._prepare_inputs(collator([dataset[i] for i in batch or [0]]))
-        loss, _, _ = trainer.prediction_step(model, inputs, prediction_loss_only=True)
-        if loss is None:  # the same batch shape on every rank: all of them raise here together
-            raise ConfigError(
-                "fed_eval_per_group needs a loss on the eval set, but the model returned none: give the eval "
-                "samples labels (e.g. DataCollatorForLanguageModeling(mlm=False)) or turn --fed_eval_per_group off."
-            )
-        if batch:
-            totals += torch.tensor([loss.item() * len(batch), len(batch)], dtype=torch.float64)
-    model.train(was_training)
+    try:
+        totals = _loss_totals(trainer, dataset, collator, rank, world)
+    finally:
+        model.train(was_training)
     device = trainer.args.device
     totals = totals.to(device)
     if group is not None:
@@ -71,3 +63,19 @@ def evaluate_each_group(
     losses[get_rank(fed_group)] = totals[0] / totals[1]
     all_reduce(losses, op=ReduceOp.SUM, group=fed_group)
     return {f"eval_group{g}_loss": loss for g, loss in enumerate(losses.tolist())}
+
+
+def _loss_totals(trainer: Trainer, dataset, collator, rank: int, world: int) -> torch.Tensor:
+    """(sum of batch losses × samples, samples) over this rank's share of the eval set."""
+    totals = torch.zeros(2, dtype=torch.float64)
+    for batch in rank_batches(len(dataset), rank, world, trainer.args.per_device_eval_batch_size):
+        inputs = trainer._prepare_inputs(collator([dataset[i] for i in batch or [0]]))
+        loss, _, _ = trainer.prediction_step(trainer.model, inputs, prediction_loss_only=True)
+        if loss is None:  # the same batch keys on every rank: all of them raise here together
+            raise ConfigError(
+                "fed_eval_per_group needs a loss on the eval set, but the model returned none: give the eval "
+                "samples labels (e.g. DataCollatorForLanguageModeling(mlm=False)) or turn --fed_eval_per_group off."
+            )
+        if batch:
+            totals += torch.tensor([loss.item() * len(batch), len(batch)], dtype=torch.float64)
+    return totals

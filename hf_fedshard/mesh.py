@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -190,11 +191,13 @@ def destroy_gloo_groups_at_exit() -> None:
 
     Trainer scripts rarely call ``destroy_process_group``; a gloo process that leaves it to interpreter
     finalization can abort with "terminate called without an active exception" (pytorch/pytorch#190489).
-    Destroying a gloo group is local to the rank, so doing it at exit never waits for another rank.
+    A rank leaving on an uncaught exception is left alone: destroying waits for its queued gloo work, which
+    could keep a failed rank alive up to the group's timeout instead of letting the launcher see it fail.
     """
     atexit.register(_destroy_gloo_groups)
 
 
 def _destroy_gloo_groups() -> None:
-    if dist.is_initialized() and dist.get_backend() == "gloo":
+    failed = hasattr(sys, "last_value")  # set by the interpreter for an uncaught exception
+    if not failed and dist.is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()

@@ -81,16 +81,18 @@ class FedShardTrainer(Trainer):
                 "Unfreeze some parameters (or attach a PEFT adapter) before building the trainer."
             )
         super().__init__(model, args, *pos, **kwargs)
-        if args.fed_eval_per_group and isinstance(self.eval_dataset, dict):
+        group_eval_runs = args.fed_eval_per_group and self.fed_layout.federated and args.eval_strategy != "no"
+        if group_eval_runs and (isinstance(self.eval_dataset, dict) or not has_length(self.eval_dataset)):
             raise ConfigError(
-                "fed_eval_per_group evaluates each group on one eval_dataset, but a dict of datasets was given. "
-                "Pass a single eval_dataset, or turn --fed_eval_per_group off."
+                "fed_eval_per_group evaluates each group on one eval_dataset with a length, but got "
+                f"{type(self.eval_dataset).__name__}. Pass a single map-style eval_dataset, or turn "
+                "--fed_eval_per_group off."
             )
         destroy_gloo_groups_at_exit()
         self.clock = TrainingClock()
         self.add_callback(self.clock)
         self._card_kwargs: dict[str, Any] = {}
-        self._group_eval_logs: dict[str, float] = {}
+        self._group_eval: tuple[int, dict[str, float]] | None = None  # (step, metrics) of the last group eval
         if self.fed_layout.federated:
             self.fed_callback = FedAvgCallback(
                 fed_group=fed_process_group(self.fed_mesh, self.fed_layout, args.fed_timeout_s),
@@ -134,15 +136,16 @@ class FedShardTrainer(Trainer):
     def _evaluate_each_group(self) -> None:
         """Evaluate every group's own model (FedAvgCallback calls this before averaging for an evaluation)."""
         group = self._group_pg if self.fed_layout.group_size > 1 else None
-        self._group_eval_logs = evaluate_each_group(
-            self, group, self.fed_callback.fed_group, self.fed_layout.num_groups
-        )
+        metrics = evaluate_each_group(self, group, self.fed_callback.fed_group, self.fed_layout.num_groups)
+        self._group_eval = (self.state.global_step, metrics)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Perplexity beside every loss (the groups' own too) and the federation counters, for every logger.
-        if "eval_loss" in logs:
-            logs.update(self._group_eval_logs)
-            self._group_eval_logs = {}
+        if "eval_loss" in logs and self._group_eval is not None:
+            step, group_metrics = self._group_eval
+            self._group_eval = None
+            if step == self.state.global_step:  # not an evaluation that a callback cancelled at that step
+                logs.update(group_metrics)
         for key in [k for k in logs if k == "loss" or k.endswith("_loss")]:
             logs[key[: -len("loss")] + "perplexity"] = _perplexity(logs[key])
         if self.fed_callback is not None and not any(k.startswith("eval_") for k in logs):

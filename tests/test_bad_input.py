@@ -142,3 +142,23 @@ def test_max_steps_below_fed_sync_steps_warns(tmp_path, world4_no_setup, caplog,
 def test_fed_peer_ranks_pair_the_same_position_of_every_group():
     assert FederationLayout(8, 4, 2).fed_peer_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert FederationLayout(6, 2).fed_peer_ranks() == [[0, 2, 4], [1, 3, 5]]
+
+
+@pytest.mark.parametrize(
+    ("group_size", "eval_strategy", "notice"),
+    [
+        (2, "no", "fed_eval_per_group has no effect without evaluations during training: set --eval_strategy steps"),
+        (4, "steps", "fed_eval_per_group has no effect with one federation group"),
+        (2, "steps", None),
+    ],
+)
+def test_fed_eval_per_group_without_effect_says_why(
+    tmp_path, world4_no_setup, caplog, group_size, eval_strategy, notice
+):
+    with caplog.at_level(logging.WARNING, logger="hf_fedshard.arguments"):
+        FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none", fed_group_size=group_size,
+                                  eval_strategy=eval_strategy, fed_eval_per_group=True)  # fmt: skip
+    if notice is None:
+        assert "fed_eval_per_group" not in caplog.text
+    else:
+        assert notice in caplog.text

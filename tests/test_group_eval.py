@@ -26,15 +26,12 @@ def test_rank_batches_cover_every_sample_once_with_equal_forward_counts(num_samp
 def test_plot_has_one_eval_line_per_group_and_one_for_the_global_model():
     history = [
         {"step": 2, "eval_loss": 4.0, "eval_perplexity": 54.6, "eval_group0_perplexity": 60.0,
-         "eval_group1_perplexity": 61.0},
+         "eval_group10_perplexity": 62.0, "eval_group1_perplexity": 61.0},
         {"step": 2, "loss": 4.2},
     ]  # fmt: skip
     curves = _curves(history)
-    assert list(curves["eval perplexity"]) == [
-        "global model",
-        "group 0 (before averaging)",
-        "group 1 (before averaging)",
-    ]
+    groups = [f"group {g} (before averaging)" for g in (0, 1, 10)]
+    assert list(curves["eval perplexity"]) == ["global model", *groups]
     assert curves["eval perplexity"]["group 1 (before averaging)"] == [(2, 61.0)]
 
 
@@ -49,16 +46,17 @@ def _tiny_script():
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_each_groups_eval_loss_is_its_own_model_on_the_whole_eval_set(tmp_path):
-    """2 groups × 2 ranks, H=2, evaluation every 2 steps; 25 eval samples so one rank runs an empty batch."""
-    args = ["--fed_group_size", "2", "--fed_sync_steps", "2", "--max_steps", "4", "--eval_strategy", "steps",
-            "--eval_steps", "2", "--fed_eval_per_group", "true", "--record_eval_params", "true",
+    """2 groups × 2 ranks, H=2, evaluation at each epoch's end (4 steps: an averaging step, whose averaging comes
+    before the epoch-end decision to evaluate); 25 eval samples so that one rank runs an empty batch."""
+    args = ["--fed_group_size", "2", "--fed_sync_steps", "2", "--num_samples", "32", "--num_train_epochs", "2",
+            "--eval_strategy", "epoch", "--fed_eval_per_group", "true", "--record_eval_params", "true",
             "--num_eval_samples", "25"]  # fmt: skip
     runs = train_tiny(4, tmp_path, args)
     script = _tiny_script()
     samples = script.TokenDataset(25)
     input_ids = torch.stack([samples[i]["input_ids"] for i in range(25)])
     evals = [e for e in runs[0]["log_history"] if "eval_loss" in e]
-    assert [e["step"] for e in evals] == [2, 4, 4]  # the last one is the explicit evaluate() after training
+    assert [e["step"] for e in evals] == [4, 8, 8]  # the last one is the explicit evaluate() after training
     for entry in evals[:2]:
         for group in (0, 1):
             model = script.tiny_llama()

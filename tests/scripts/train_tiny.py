@@ -146,15 +146,18 @@ class Faults(TrainerCallback):
             (param.to_local() if isinstance(param, DTensor) else param).view(-1)[0] = math.nan
 
 
-class EvalParamsRecorder(TrainerCallback):
-    """Runs before FedAvgCallback: this group's full parameters at each step that evaluates, before averaging."""
+class EvalParamsRecorder:
+    """Wraps FedAvgCallback.before_eval: this group's full parameters at each per-group evaluation."""
 
-    def __init__(self) -> None:
-        self.params: dict[int, dict[str, torch.Tensor]] = {}
+    def __init__(self, trainer: FedShardTrainer) -> None:
+        self.trainer, self.params = trainer, {}
+        self.evaluate = trainer.fed_callback.before_eval
+        trainer.fed_callback.before_eval = self
 
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if control.should_evaluate:
-            self.params[state.global_step] = {n: full_tensor(p) for n, p in model.named_parameters()}
+    def __call__(self) -> None:
+        model = self.trainer.model
+        self.params[self.trainer.state.global_step] = {n: full_tensor(p) for n, p in model.named_parameters()}
+        self.evaluate()
 
 
 class ExportMidTraining(TrainerCallback):
@@ -210,10 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer.add_callback(recorder)
     if isinstance(trainer, FedShardTrainer):
         trainer.add_callback(Faults(script, args.process_index, trainer.fed_layout.group_index(args.process_index)))
-    eval_params = EvalParamsRecorder()
-    if script.record_eval_params:
-        callbacks = trainer.callback_handler.callbacks
-        callbacks.insert(callbacks.index(trainer.fed_callback), eval_params)
+    eval_params = EvalParamsRecorder(trainer) if script.record_eval_params else None
     exporter = None
     if script.export_at_step is not None:
         exporter = ExportMidTraining(trainer, script.export_at_step, script.export_dir)
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         "started_at_step": recorder.started_at_step,
         "fed_counters": trainer.fed_callback.state_dict() if getattr(trainer, "fed_callback", None) else None,
         "params_before_export": exporter.params_before if exporter else None,
-        "eval_params": eval_params.params,
+        "eval_params": eval_params.params if eval_params else None,
         "is_dtensor": [isinstance(p, DTensor) for p in trainer.model.parameters()],
         "placements": [str(pl) for pl in param.placements] if isinstance(param, DTensor) else None,
         "mesh_shape": list(param.device_mesh.shape) if isinstance(param, DTensor) else None,
