@@ -26,19 +26,37 @@ PAPER_BIBTEX = """@inproceedings{fedshard2026,
 }"""
 
 
+WALL_SECONDS = "wall_seconds"
+
+
 class TrainingClock(TrainerCallback):
-    """Wall-clock seconds since the start of training at every logged step, for plots against time."""
+    """Stamps every entry of `state.log_history` with the seconds since training began (``wall_seconds``).
+
+    The stamp lives in the history, which checkpoints keep, so a resumed run continues the clock where its
+    checkpoint stopped and the plot against time covers the whole run. Loggers (`report_to`) never see it.
+    """
 
     def __init__(self) -> None:
-        self.seconds: dict[int, float] = {}
-        self._start = time.perf_counter()
+        self._start: float | None = None  # entries logged before training (an evaluation) are at 0 s
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter() - self.seconds.get(state.global_step, 0.0)
+        resumed = state.global_step > 0
+        stamps = [e[WALL_SECONDS] for e in state.log_history if WALL_SECONDS in e and e["step"] <= state.global_step]
+        self._start = time.perf_counter() - (stamps[-1] if resumed and stamps else 0.0)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        # A step is stamped when first logged: an evaluation's own duration is not charged to its point.
-        self.seconds.setdefault(state.global_step, time.perf_counter() - self._start)
+        if state.log_history:
+            elapsed = 0.0 if self._start is None else time.perf_counter() - self._start
+            state.log_history[-1][WALL_SECONDS] = round(elapsed, 3)
+
+
+def wall_seconds(history: list[dict]) -> dict[int, float]:
+    """Seconds at which each step was first logged: an evaluation's own duration is not charged to its point."""
+    seconds: dict[int, float] = {}
+    for entry in history:
+        if WALL_SECONDS in entry:
+            seconds.setdefault(entry["step"], entry[WALL_SECONDS])
+    return seconds
 
 
 def _last(history: list[dict], key: str) -> dict:
@@ -94,7 +112,7 @@ def _curves(history: list[dict]) -> dict[str, dict[str, list[tuple[int, float]]]
     return {"eval perplexity": evals, "training loss": {"training loss": points("loss")}}
 
 
-def plot_curves(history: list[dict], seconds: dict[int, float], path: Path) -> None:
+def plot_curves(history: list[dict], path: Path) -> None:
     """Eval perplexity (global model, and each group's own model when evaluated) and training loss against
     optimizer step and against wall-clock seconds."""
     import matplotlib
@@ -102,6 +120,7 @@ def plot_curves(history: list[dict], seconds: dict[int, float], path: Path) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    seconds = wall_seconds(history)
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), squeeze=False)
     for row, (name, lines) in enumerate(_curves(history).items()):
         for label, points in lines.items():
@@ -180,10 +199,10 @@ def build_card(
     )
 
 
-def write_card(trainer: FedShardTrainer, clock: TrainingClock | None, **kwargs: Any) -> Path:
+def write_card(trainer: FedShardTrainer, **kwargs: Any) -> Path:
     """Write README.md (the card) and its plot into the output folder; call on the main process only."""
     out = Path(trainer.args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    plot_curves(trainer.state.log_history, clock.seconds if clock else {}, out / PLOT_NAME)
+    plot_curves(trainer.state.log_history, out / PLOT_NAME)
     build_card(trainer, **kwargs).save(out / "README.md")
     return out / "README.md"

@@ -89,8 +89,7 @@ class FedShardTrainer(Trainer):
                 "--fed_eval_per_group off."
             )
         destroy_gloo_groups_at_exit()
-        self.clock = TrainingClock()
-        self.add_callback(self.clock)
+        self.add_callback(TrainingClock())
         self._card_kwargs: dict[str, Any] = {}
         self._group_eval: tuple[int, dict[str, float]] | None = None  # (step, metrics) of the last group eval
         if self.fed_layout.federated:
@@ -156,7 +155,7 @@ class FedShardTrainer(Trainer):
         # Trainer's draft card knows nothing of the federation; push_to_hub renders this one too.
         self._card_kwargs.update({k: v for k, v in kwargs.items() if v is not None})
         if self.is_world_process_zero():
-            write_card(self, self.clock, **self._card_kwargs)
+            write_card(self, **self._card_kwargs)
 
     # ---- Fault tolerance: resume, checkpoints, export ----
 

@@ -102,6 +102,10 @@ def test_killed_rank_restarts_and_resumes_exactly(reference, tmp_path):
     )
     assert [run["started_at_step"] for run in runs] == [4] * 4  # resumed, on an averaging step
     assert_same_run(runs, ref)
+    stamps = [(h["step"], h["wall_seconds"]) for h in runs[0]["log_history"] if "loss" in h]
+    assert [step for step, _ in stamps] == [1, 2, 3, 4, 5, 6]
+    seconds = [t for _, t in stamps]
+    assert seconds == sorted(seconds)  # the card's clock goes on across the restart
 
 
 def test_kill_while_saving_keeps_the_previous_checkpoint(reference, tmp_path):
