@@ -75,6 +75,7 @@ class FedAvgCallback(TrainerCallback):
         self.syncs = 0
         self.inter_group_bytes = 0
         self.last_sync_seconds = 0.0
+        self.total_sync_seconds = 0.0
         self.diverged_groups = 0
         self._last_synced_step = 0
         self._output_dir: str | None = None
@@ -85,6 +86,7 @@ class FedAvgCallback(TrainerCallback):
             "fed_syncs": self.syncs,
             "fed_inter_group_bytes": self.inter_group_bytes,
             "fed_sync_seconds": round(self.last_sync_seconds, 6),
+            "fed_sync_seconds_total": round(self.total_sync_seconds, 6),
             "fed_diverged_groups": self.diverged_groups,
         }
 
@@ -94,6 +96,7 @@ class FedAvgCallback(TrainerCallback):
             "syncs": self.syncs,
             "inter_group_bytes": self.inter_group_bytes,
             "last_sync_seconds": self.last_sync_seconds,
+            "total_sync_seconds": self.total_sync_seconds,
             "diverged_groups": self.diverged_groups,
             "last_synced_step": self._last_synced_step,
         }
@@ -102,6 +105,7 @@ class FedAvgCallback(TrainerCallback):
         self.syncs = int(state["syncs"])
         self.inter_group_bytes = int(state["inter_group_bytes"])
         self.last_sync_seconds = float(state["last_sync_seconds"])
+        self.total_sync_seconds = float(state.get("total_sync_seconds", 0.0))
         self.diverged_groups = int(state["diverged_groups"])
         self._last_synced_step = int(state["last_synced_step"])
 
@@ -147,6 +151,7 @@ class FedAvgCallback(TrainerCallback):
         if tensors and tensors[0].is_cuda:
             torch.cuda.synchronize()
         self.last_sync_seconds = time.perf_counter() - start
+        self.total_sync_seconds += self.last_sync_seconds
         self.syncs += 1
         self._last_synced_step = step
         if diverged:

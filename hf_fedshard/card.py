@@ -89,6 +89,9 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
     if fed:
         rows += [("Inter-group syncs", str(fed["fed_syncs"])),
                  ("Inter-group bytes sent per rank", f"{fed['fed_inter_group_bytes']:,}")]  # fmt: skip
+        if "fed_sync_seconds_total" in fed:
+            share = f" ({fed['fed_sync_seconds_total'] / train['train_runtime']:.1%} of training)" if train else ""
+            rows.append(("Time in inter-group averaging (s, rank 0)", f"{fed['fed_sync_seconds_total']:.2f}{share}"))
         if fed.get("fed_diverged_groups"):
             rows.append(("Diverged groups restarted from the others", str(fed["fed_diverged_groups"])))
     if "train_runtime" in train:
