@@ -9,11 +9,13 @@ one float per group.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import datasets
 import torch
 from torch.distributed import ProcessGroup, ReduceOp, all_reduce, get_rank, get_world_size
+from torch.utils.data import Dataset
 
 from .errors import ConfigError
 
@@ -65,7 +67,9 @@ def evaluate_each_group(
     return {f"eval_group{g}_loss": loss for g, loss in enumerate(losses.tolist())}
 
 
-def _loss_totals(trainer: Trainer, dataset, collator, rank: int, world: int) -> torch.Tensor:
+def _loss_totals(
+    trainer: Trainer, dataset: Dataset, collator: Callable[[list], dict], rank: int, world: int
+) -> torch.Tensor:
     """(sum of batch losses × samples, samples) over this rank's share of the eval set."""
     totals = torch.zeros(2, dtype=torch.float64)
     for batch in rank_batches(len(dataset), rank, world, trainer.args.per_device_eval_batch_size):
