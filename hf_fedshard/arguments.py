@@ -144,7 +144,7 @@ class FedShardTrainingArguments(TrainingArguments):
         if layout.federated:
             self.average_tokens_across_devices = False
         super().__post_init__()
-        if self.fed_eval_per_group and not (layout.federated and self.eval_strategy != IntervalStrategy.NO):
+        if self.fed_eval_per_group and not self.fed_evaluates_groups:
             _notice(
                 "fed_eval_per_group has no effect %s",
                 "without evaluations during training: set --eval_strategy steps"
@@ -156,6 +156,11 @@ class FedShardTrainingArguments(TrainingArguments):
     def fed_requested(self) -> bool:
         """True when any federation setting is given (even one group of HSDP through `fed_shard_size`)."""
         return self.fed_group_size is not None or self.fed_shard_size is not None
+
+    @property
+    def fed_evaluates_groups(self) -> bool:
+        """True when `fed_eval_per_group` has an effect: several groups and evaluations during training."""
+        return self.fed_eval_per_group and self.fed_layout.federated and self.eval_strategy != IntervalStrategy.NO
 
     @property
     def fed_layout(self) -> FederationLayout:

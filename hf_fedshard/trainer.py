@@ -81,8 +81,7 @@ class FedShardTrainer(Trainer):
                 "Unfreeze some parameters (or attach a PEFT adapter) before building the trainer."
             )
         super().__init__(model, args, *pos, **kwargs)
-        group_eval_runs = args.fed_eval_per_group and self.fed_layout.federated and args.eval_strategy != "no"
-        if group_eval_runs and (isinstance(self.eval_dataset, dict) or not has_length(self.eval_dataset)):
+        if args.fed_evaluates_groups and (isinstance(self.eval_dataset, dict) or not has_length(self.eval_dataset)):
             raise ConfigError(
                 "fed_eval_per_group evaluates each group on one eval_dataset with a length, but got "
                 f"{type(self.eval_dataset).__name__}. Pass a single map-style eval_dataset, or turn "
@@ -134,8 +133,8 @@ class FedShardTrainer(Trainer):
 
     def _evaluate_each_group(self) -> None:
         """Evaluate every group's own model (FedAvgCallback calls this before averaging for an evaluation)."""
-        group = self._group_pg if self.fed_layout.group_size > 1 else None
-        metrics = evaluate_each_group(self, group, self.fed_callback.fed_group, self.fed_layout.num_groups)
+        fed = self.fed_callback
+        metrics = evaluate_each_group(self, fed.group, fed.fed_group, fed.num_groups)
         self._group_eval = (self.state.global_step, metrics)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
