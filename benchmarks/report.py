@@ -19,7 +19,7 @@ import math
 import statistics
 from pathlib import Path
 
-from hf_fedshard.cost import GLOO, ModelCost, Network, step_cost
+from hf_fedshard.cost import GLOO, ModelCost, Network, method_layouts, step_cost
 from hf_fedshard.mesh import FederationLayout
 
 AVERAGING = ("FL+FSDP", "FL+HSDP", "LocalSGD")
@@ -29,14 +29,10 @@ BYTES_TOLERANCE = 0.15
 def layout_of(method: str, cfg: dict) -> tuple[FederationLayout, int | None]:
     """The federation layout of ``method`` as bench_train.py runs it, and its H (``None``: no averaging)."""
     w, r, h = cfg["nodes"] * cfg["ranks_per_node"], cfg["ranks_per_node"], cfg["sync_steps"]
-    return {
-        "FSDP": (FederationLayout(w), None),
-        "HSDP": (FederationLayout(w, w, r), None),
-        "FL+FSDP": (FederationLayout(w, r), h),
-        "FL+HSDP": (FederationLayout(w, 2 * r, r), h),
-        "ideal": (FederationLayout(w, r), None),
-        "LocalSGD": (FederationLayout(w, 1, 1), h),  # every rank its own group of one, world all-reduce
-    }[method]
+    layouts = method_layouts(w, r, fl_fsdp_group=r, fl_hsdp_group=2 * r, fl_hsdp_shard=r, sync_steps=h)
+    layouts["ideal"] = (layouts["FL+FSDP"][0], None)
+    layouts["LocalSGD"] = (FederationLayout(w, 1, 1), h)  # every rank its own group of one, world all-reduce
+    return layouts[method]
 
 
 def clock_at(steps: list[dict], step: int) -> float:
@@ -83,6 +79,7 @@ def summarize_method(method: str, records: list[dict], cfg: dict) -> dict:
     steps, h = rank0["steps"], cfg["sync_steps"]
     tokens = cfg["nodes"] * cfg["ranks_per_node"] * cfg["batch_size"] * cfg["block_size"]
     windows = window_throughputs(steps, tokens, h, cfg["warmup_steps"])
+    tokens_per_s = statistics.median(windows)
     node_records = sorted((r for r in records if r["local_rank"] == 0), key=lambda r: r["node"])
     tx = [sum(s["tx_bytes"] for s in r["steps"]) for r in node_records]
     layout, sync = layout_of(method, cfg)
@@ -100,8 +97,8 @@ def summarize_method(method: str, records: list[dict], cfg: dict) -> dict:
         "params": rank0["params"],
         "tokens_per_step": tokens,
         "window_tokens_per_s": windows,
-        "tokens_per_s": statistics.median(windows),
-        "s_per_step": tokens / statistics.median(windows),
+        "tokens_per_s": tokens_per_s,
+        "s_per_step": tokens / tokens_per_s,
         "train_clock_s": clock_at(steps, len(steps)),
         "step_s": [s["end_s"] - s["begin_s"] for s in steps],
         "inter_bytes_per_node": tx,

@@ -261,6 +261,19 @@ def compute_seconds(params: int, tokens: int, peak_flop_s: float, mfu: float) ->
     return 6 * params * tokens / (peak_flop_s * mfu)
 
 
+def method_layouts(
+    world_size: int, ranks_per_node: int, fl_fsdp_group: int, fl_hsdp_group: int, fl_hsdp_shard: int, sync_steps: int
+) -> dict[str, tuple[FederationLayout, int | None]]:
+    """FSDP over the world, HSDP sharding inside a node, FL+FSDP and FL+HSDP: each layout and its H."""
+    w, r = world_size, ranks_per_node
+    return {
+        "FSDP": (FederationLayout(w), None),
+        "HSDP": (FederationLayout(w, w, r), None),
+        "FL+FSDP": (FederationLayout(w, fl_fsdp_group), sync_steps),
+        "FL+HSDP": (FederationLayout(w, fl_hsdp_group, fl_hsdp_shard), sync_steps),
+    }
+
+
 # ---- The paper's setting -------------------------------------------------------------------------------------
 # Llama 3.1 8B (Meta's config: hidden 4096, MLP 14336, 32 layers, 32 heads, 8 KV heads, vocabulary 128,256,
 # untied head), 512 A100 as 128 nodes × 4, FL+FSDP group = 1 node, FL+HSDP group = 8 nodes as 8 replicas ×
@@ -295,13 +308,10 @@ class Setting:
 
     def layouts(self) -> dict[str, tuple[FederationLayout, int | None]]:
         """Each method's layout and H (``None`` when it does not average)."""
-        w, r = self.world_size, self.ranks_per_node
-        return {
-            "FSDP": (FederationLayout(w), None),
-            "HSDP": (FederationLayout(w, w, r), None),
-            "FL+FSDP": (FederationLayout(w, self.fl_fsdp_group), self.sync_steps),
-            "FL+HSDP": (FederationLayout(w, self.fl_hsdp_group, self.fl_hsdp_shard), self.sync_steps),
-        }
+        return method_layouts(
+            self.world_size, self.ranks_per_node, self.fl_fsdp_group, self.fl_hsdp_group, self.fl_hsdp_shard,
+            self.sync_steps,
+        )  # fmt: skip
 
     def costs(self) -> dict[str, StepCost]:
         compute = compute_seconds(self.model.params, self.tokens_per_rank, self.peak_flop_s, self.mfu)
@@ -373,19 +383,18 @@ def report(setting: Setting) -> str:
     lines += ["", "Speedup over FSDP (serial model) against the inter-node bandwidth per node:"]
     sweep = (25, 50, 100, 200, 400, 800, 1600)
     lines.append("Gb/s/node " + "".join(f"{bw:>8}" for bw in sweep))
+    at_bandwidth = [
+        speedups(replace(setting, network=replace(net, inter_node_bytes_s=bw * 1e9 / 8)).costs()) for bw in sweep
+    ]
     for name in ("HSDP", "FL+FSDP", "FL+HSDP"):
-        row = []
-        for bw in sweep:
-            net_bw = replace(setting, network=replace(net, inter_node_bytes_s=bw * 1e9 / 8))
-            row.append(f"{speedups(net_bw.costs())[name]:7.2f}×")
-        lines.append(f"{name:<10}" + "".join(row))
-    lines += ["", *headline(setting, serial)]
+        lines.append(f"{name:<10}" + "".join(f"{speedup[name]:7.2f}×" for speedup in at_bandwidth))
+    lines += ["", *headline(setting, costs)]
     return "\n".join(lines)
 
 
-def headline(setting: Setting, serial: dict[str, float]) -> list[str]:
-    """The projection beside the paper's headline, and why they differ."""
-    costs = setting.costs()
+def headline(setting: Setting, costs: dict[str, StepCost]) -> list[str]:
+    """The projection beside the paper's headline (``costs``: ``setting.costs()``), and why they differ."""
+    serial = speedups(costs)
     best = max(("FL+FSDP", "FL+HSDP"), key=serial.get)
     ceiling = costs["FSDP"].inter_bytes_per_node / costs[best].inter_bytes_per_node
     bf16 = replace(setting, model=replace(setting.model, sync_bytes=2)).costs()
