@@ -29,10 +29,11 @@ from accelerate.local_sgd import LocalSGD
 from datasets import disable_progress_bars, load_from_disk
 from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback, default_data_collator, set_seed
 
+from benchmarks.netns import UPLINK
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
 from hf_fedshard.models import PRESETS, build_model
 
-UPLINK_STATS = Path("/sys/class/net/uplink/statistics")
+UPLINK_STATS = Path(f"/sys/class/net/{UPLINK}/statistics")
 
 
 @dataclass

@@ -59,15 +59,13 @@ def worker(out: Path) -> None:
 def main() -> None:
     import tempfile
 
-    from benchmarks.netns import UPLINK, Cluster, handle_termination
+    from benchmarks.netns import Cluster, handle_termination
     from hf_fedshard.cost import GLOO, RING, ring_hop_bytes
 
     payload = NUMEL * 4
     with tempfile.TemporaryDirectory() as tmp, handle_termination(), Cluster(2) as cluster:
-        cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", f"--node_rank={i}",
-                 f"--master_addr={cluster.address(0)}", "--master_port=29611", __file__, "--worker", tmp]
-                for i in range(2)]  # fmt: skip
-        env = {"GLOO_SOCKET_IFNAME": UPLINK, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        cmds = cluster.torchrun_commands(2, 29611, [__file__, "--worker", tmp])
+        env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         codes = cluster.run(cmds, env, [Path(tmp, f"log{i}") for i in range(2)], timeout_s=300)
         if any(codes):
             raise RuntimeError(f"exit codes {codes}: {Path(tmp, 'log0').read_text()[-2000:]}")

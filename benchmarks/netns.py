@@ -26,6 +26,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -191,12 +192,24 @@ class Cluster:
         mbit_s = int(nbytes) * 8 / float(elapsed) / 1e6
         return {"rate_mbit": self.rate_mbit, "goodput_mbit": round(mbit_s, 2), "probe_s": round(float(elapsed), 2)}
 
+    def torchrun_commands(self, ranks_per_node: int, port: int, argv: Sequence[str]) -> list[list[str]]:
+        """One ``torchrun --nnodes N --node_rank i`` per node, rendezvous on node 0: the real multi-node launcher."""
+        return [
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
+             f"--nproc_per_node={ranks_per_node}", f"--node_rank={node}", f"--master_addr={self.address(0)}",
+             f"--master_port={port}", *argv]
+            for node in range(self.nodes)
+        ]  # fmt: skip
+
     def launch(self, node: int, argv: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-        """Start ``argv`` inside ``node``'s namespace, in its own process group, output to ``log``."""
+        """Start ``argv`` inside ``node``'s namespace, in its own process group, output to ``log``.
+
+        gloo is pointed at the uplink (``GLOO_SOCKET_IFNAME``): the only interface that reaches the other nodes.
+        """
         with open(log, "w") as out:
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", self.namespace(node), *argv],
-                env={**os.environ, **env},
+                env={**os.environ, "GLOO_SOCKET_IFNAME": UPLINK, **env},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

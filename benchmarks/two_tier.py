@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
     sys.path.insert(0, str(REPO))
 
 from benchmarks import report  # noqa: E402
-from benchmarks.netns import UPLINK, Cluster, handle_termination  # noqa: E402
+from benchmarks.netns import Cluster, handle_termination  # noqa: E402
 
 DATA_CACHE = Path.home() / ".cache" / "hf_fedshard" / "benchmark-data"
 QUICK_METHODS = ("FSDP", "HSDP", "FL+FSDP", "ideal")
@@ -131,16 +131,6 @@ def prepare_data(cfg: BenchConfig, cache: Path) -> Path:
     return path
 
 
-def launch_commands(cfg: BenchConfig, cluster: Cluster, port: int, args: list[str]) -> list[list[str]]:
-    script = str(REPO / "benchmarks" / "bench_train.py")
-    return [
-        [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cfg.nodes}",
-         f"--nproc_per_node={cfg.ranks_per_node}", f"--node_rank={node}", f"--master_addr={cluster.address(0)}",
-         f"--master_port={port}", script, *args]
-        for node in range(cfg.nodes)
-    ]  # fmt: skip
-
-
 def run_method(cluster: Cluster, name: str, cfg: BenchConfig, data: Path, work: Path, port: int) -> list[dict]:
     """Train ``name`` on the cluster; return every rank's record."""
     run_dir = work / name.replace("+", "_")
@@ -148,11 +138,12 @@ def run_method(cluster: Cluster, name: str, cfg: BenchConfig, data: Path, work: 
     run_dir.mkdir(parents=True)
     args = ["--data_dir", str(data), "--record_dir", str(run_dir / "records"), "--output_dir", str(run_dir / "out"),
             *shared_args(cfg), *method_args(name, cfg)]  # fmt: skip
-    env = {"GLOO_SOCKET_IFNAME": UPLINK, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
     logs = [run_dir / f"node{node}.log" for node in range(cfg.nodes)]
     start = time.monotonic()
-    codes = cluster.run(launch_commands(cfg, cluster, port, args), env, logs, cfg.timeout_s)
+    commands = cluster.torchrun_commands(cfg.ranks_per_node, port, [str(REPO / "benchmarks" / "bench_train.py"), *args])
+    codes = cluster.run(commands, env, logs, cfg.timeout_s)
     print(f"  {name}: exit codes {codes} in {time.monotonic() - start:.0f} s", flush=True)
     if any(codes):
         tail = "\n".join(log.read_text()[-3000:] for log in logs)
@@ -160,7 +151,7 @@ def run_method(cluster: Cluster, name: str, cfg: BenchConfig, data: Path, work: 
     return [json.loads(p.read_text()) for p in sorted((run_dir / "records").glob("rank*.json"))]
 
 
-def busy_cpu_s() -> float:
+def busy_cpu_s() -> tuple[float, float]:
     """CPU seconds the whole machine has been busy since boot (all processes, /proc/stat), and ours.
 
     Returns (machine, ours): ours is this process plus its waited-for descendants (every launcher and rank).
