@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import os
 import sys
 from dataclasses import dataclass
@@ -201,3 +202,4 @@ def _destroy_gloo_groups() -> None:
     failed = hasattr(sys, "last_value")  # set by the interpreter for an uncaught exception
     if not failed and dist.is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()
+        gc.collect()  # free what still holds the groups (a DDP reducer, FSDP states) while Python is alive

@@ -37,7 +37,7 @@ def torchrun(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", str(script), *map(str, args)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1" if max_restarts else "0"}  # fmt: skip
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1" if max_restarts else "0", "PYTHONPATH": str(REPO)}  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:

@@ -23,7 +23,7 @@ TINY_RUN = ["--model_size", "micro", "--block_size", "64", "--per_device_train_b
 
 
 def run(cmd: list, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     try:
         return subprocess.run(list(map(str, cmd)), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as err:
