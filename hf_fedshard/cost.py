@@ -1,4 +1,4 @@
-"""Communication cost model of FSDP, HSDP, FL+FSDP and FL+HSDP on a two-tier network (``python -m hf_fedshard.cost``).
+"""Communication cost model of FSDP, HSDP, FL+FSDP and FL+HSDP on a two- or three-tier network (``python -m hf_fedshard.cost``).
 
 Two tiers: ranks of one node talk over a fast fabric (NVLink; loopback in the emulated cluster), nodes over a
 slow network (InfiniBand or Ethernet; a rate-limited veth in the emulation). Groups are blocks of contiguous
@@ -43,10 +43,26 @@ reduce-scatter; A = b_p (2P - P_once), inter-node bytes sent by one node per ste
     FL+FSDP  (G = S = R)         2 (F-1)/F · b_s P / H
     FL+HSDP  (G = Q R, S = R)    2 (Q-1)/Q · b_g P  +  2 (F-1)/F · b_s P / H
 
+Three tiers (``nodes_per_rack``): nodes sit in racks (the paper's machine: Dragonfly+ cells) of M contiguous
+nodes, K = W / (R M) racks, and a rack's uplink is slower than a node's link. A ring hop is inter-rack when its
+two ranks sit in different racks; it then crosses the sender's node link *and* its rack's uplink, so a node's
+link carries every inter-node hop (as in two tiers) and a rack's uplink the inter-rack hops of all its nodes.
+Bytes one rack sends to other racks per step, groups laid out as below (FL+HSDP's group = one rack):
+
+    FSDP     (S = W)                 (W-1)/W · (A + b_g P)                    (one hop of the world ring)
+    HSDP     (S = R, Q = W/R)        2 (Q-1)/Q · b_g P                         (R rings, one hop out each)
+    FL+FSDP  (G = S = R)             2 (F-1)/F · b_s P / H                     (R rings over F = K M groups)
+    FL+HSDP  (G = M R, S = R)        M · 2 (K-1)/K · b_s P / H                 (G rings of K ranks, one per rack)
+
+so HSDP puts as many bytes on a rack's uplink as on a node's link every step, while FL+HSDP's replicas
+all-reduce gradients inside the rack and only FedAvg crosses it, once every H steps.
+
 FSDP's inter-node traffic does not shrink with W: every node sends about three copies of the model per step.
 FL+FSDP's is the model once in fp32, twice, every H steps. Time per step: for each tier, the bytes through its
-busiest link divided by that link's bandwidth (a node's uplink for the inter tier, a rank's own link inside a
-node), plus one latency per ring step per collective call (FSDP2 makes one call per unit), plus compute.
+busiest link divided by that link's bandwidth (a rack's uplink for the inter-rack tier, a node's uplink for the
+inter tier, a rank's own link inside a node), summed over tiers (a conservative bound: a pipelined ring is
+limited by its slowest link, which the sum exceeds by the faster tiers' share), plus one latency per ring step
+per collective call (FSDP2 makes one call per unit), plus compute.
 ``serial`` adds communication to compute; ``overlapped`` takes the larger of the two (FSDP2 prefetching at best).
 """
 
@@ -105,12 +121,17 @@ class Network:
         inter_node_bytes_s: bandwidth of one node's uplink, each direction (all its NICs together).
         intra_node_bytes_s: bandwidth of one rank's link inside a node, each direction.
         inter_latency_s, intra_latency_s: cost of one ring step on that tier.
+        inter_rack_bytes_s: bandwidth of one rack's uplink to the other racks, each direction (all its global
+            links together); infinite for a two-tier network.
+        inter_rack_latency_s: cost of one ring step that crosses racks.
     """
 
     inter_node_bytes_s: float
     intra_node_bytes_s: float
     inter_latency_s: float = 0.0
     intra_latency_s: float = 0.0
+    inter_rack_bytes_s: float = math.inf
+    inter_rack_latency_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -133,6 +154,7 @@ class StepCost:
     inter_bytes_per_rank: float
     inter_bytes_per_node: float
     comm_s: float = 0.0
+    inter_rack_bytes_per_rack: float = 0.0  # three tiers only: bytes a rack's uplink sends to other racks
     compute_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -209,8 +231,12 @@ def step_cost(
     network: Network | None = None,
     compute_s: float = 0.0,
     method: str | None = None,
+    nodes_per_rack: int | None = None,
 ) -> StepCost:
-    """Bytes per rank and per node on each tier for one optimizer step, and its time on ``network``."""
+    """Bytes per rank, per node (and per rack) on each tier for one optimizer step, and its time on ``network``.
+
+    ``nodes_per_rack=None`` is a two-tier network (one rack holding every node).
+    """
     if ranks_per_node < 1 or layout.world_size % ranks_per_node:
         raise ValueError(
             f"ranks_per_node={ranks_per_node} must divide WORLD_SIZE({layout.world_size}): nodes hold equal "
@@ -219,19 +245,31 @@ def step_cost(
     if sync_steps is not None and sync_steps < 1:
         raise ValueError(f"sync_steps={sync_steps}: H must be at least 1 (or None for no averaging).")
     nodes = layout.world_size // ranks_per_node
-    intra = inter = comm_s = 0.0
+    per_rack = nodes if nodes_per_rack is None else nodes_per_rack
+    if per_rack < 1 or nodes % per_rack:
+        raise ValueError(
+            f"nodes_per_rack={nodes_per_rack} must divide the number of nodes, WORLD_SIZE({layout.world_size}) / "
+            f"ranks_per_node({ranks_per_node}) = {nodes}: racks hold equal numbers of nodes."
+        )
+    racks = nodes // per_rack
+    intra = inter = rack = comm_s = 0.0
     for coll in step_collectives(model, layout, sync_steps):
         ring_size = len(coll.rings[0])
         hop = ring_hop_bytes(coll.kind, ring_size, coll.payload_bytes, model.reduce_scatter) * coll.per_step
         hops = [ring_hops(ring, ranks_per_node) for ring in coll.rings]
+        rack_hops = sum(ring_hops(ring, ranks_per_node * per_rack)[1] for ring in coll.rings)
         coll_intra, coll_inter = hop * sum(h[0] for h in hops), hop * sum(h[1] for h in hops)
-        intra, inter = intra + coll_intra, inter + coll_inter
+        intra, inter, rack = intra + coll_intra, inter + coll_inter, rack + hop * rack_hops
         if network is not None:
-            crosses = any(h[1] for h in hops)
             steps = (2 if coll.kind == "all_reduce" else 1) * (ring_size - 1) * coll.calls * coll.per_step
             comm_s += coll_inter / nodes / network.inter_node_bytes_s
             comm_s += coll_intra / layout.world_size / network.intra_node_bytes_s
-            comm_s += steps * (network.inter_latency_s if crosses else network.intra_latency_s)
+            if rack_hops:
+                comm_s += hop * rack_hops / racks / network.inter_rack_bytes_s
+                comm_s += steps * network.inter_rack_latency_s
+            else:
+                crosses = any(h[1] for h in hops)
+                comm_s += steps * (network.inter_latency_s if crosses else network.intra_latency_s)
     return StepCost(
         method=method or layout.method,
         intra_bytes_per_rank=intra / layout.world_size,
@@ -239,6 +277,7 @@ def step_cost(
         inter_bytes_per_node=inter / nodes,
         comm_s=comm_s,
         compute_s=compute_s,
+        inter_rack_bytes_per_rack=rack / racks if nodes_per_rack is not None else 0.0,
     )
 
 
@@ -305,6 +344,7 @@ class Setting:
         inter_latency_s=5e-6,  # assumed per ring step across nodes
         intra_latency_s=1e-6,  # assumed per ring step inside a node
     )
+    nodes_per_rack: int | None = None  # three tiers: nodes per rack (cell); None: two tiers
 
     def layouts(self) -> dict[str, tuple[FederationLayout, int | None]]:
         """Each method's layout and H (``None`` when it does not average)."""
@@ -316,7 +356,9 @@ class Setting:
     def costs(self) -> dict[str, StepCost]:
         compute = compute_seconds(self.model.params, self.tokens_per_rank, self.peak_flop_s, self.mfu)
         return {
-            name: step_cost(self.model, layout, self.ranks_per_node, h, self.network, compute, name)
+            name: step_cost(
+                self.model, layout, self.ranks_per_node, h, self.network, compute, name, nodes_per_rack=self.nodes_per_rack
+            )
             for name, (layout, h) in self.layouts().items()
         }
 
@@ -333,12 +375,15 @@ def speedups(costs: dict[str, StepCost], baseline: str = "FSDP", overlapped: boo
     return {name: time(costs[baseline]) / time(cost) for name, cost in costs.items()}
 
 
-def bandwidth_for_speedup(setting: Setting, method: str, target: float, baseline: str = "FSDP") -> float | None:
-    """Inter-node bandwidth (bytes/s per node) at which ``method`` is ``target``× faster than ``baseline``
-    (serial model), found by bisection on a log scale; ``None`` if no bandwidth in [1 Mb/s, 10 Tb/s] gives it."""
+def bandwidth_for_speedup(
+    setting: Setting, method: str, target: float, baseline: str = "FSDP", tier: str = "inter_node_bytes_s"
+) -> float | None:
+    """Bandwidth of ``tier`` (a `Network` field: bytes/s per node, or per rack for ``inter_rack_bytes_s``) at
+    which ``method`` is ``target``× faster than ``baseline`` (serial model), found by bisection on a log scale;
+    ``None`` if no bandwidth in [1 Mb/s, 10 Tb/s] gives it."""
 
     def gap(bw: float) -> float:
-        net = replace(setting.network, inter_node_bytes_s=bw)
+        net = replace(setting.network, **{tier: bw})
         return speedups(replace(setting, network=net).costs(), baseline)[method] - target
 
     low, high = 1e6 / 8, 1e13 / 8
