@@ -1,4 +1,4 @@
-"""Communication cost model of FSDP, HSDP, FL+FSDP and FL+HSDP on a two- or three-tier network (``python -m hf_fedshard.cost``).
+"""Communication cost model of FSDP, HSDP, FL+FSDP and FL+HSDP on tiered networks (``python -m hf_fedshard.cost``).
 
 Two tiers: ranks of one node talk over a fast fabric (NVLink; loopback in the emulated cluster), nodes over a
 slow network (InfiniBand or Ethernet; a rate-limited veth in the emulation). Groups are blocks of contiguous
@@ -357,7 +357,7 @@ class Setting:
         compute = compute_seconds(self.model.params, self.tokens_per_rank, self.peak_flop_s, self.mfu)
         return {
             name: step_cost(
-                self.model, layout, self.ranks_per_node, h, self.network, compute, name, nodes_per_rack=self.nodes_per_rack
+                self.model, layout, self.ranks_per_node, h, self.network, compute, name, self.nodes_per_rack
             )
             for name, (layout, h) in self.layouts().items()
         }
