@@ -369,6 +369,43 @@ def paper_setting(**overrides) -> Setting:
     return replace(Setting(model=model), **overrides)
 
 
+# ---- Three tiers: Leonardo's Booster partition, the machine the paper's setting points to ----------------------
+# Published (https://leonardo-supercomputer.cineca.eu/hpc-system and CINECA's LEONARDO User Guide,
+# https://wiki.u-gov.it/confluence/display/SCAIUS/LEONARDO+User+Guide, read 2026-12-03): 3456 nodes of 4 A100
+# 64 GB; per node 2 × dual-port HDR100 (400 Gb/s aggregated); InfiniBand HDR in a Dragonfly+ topology, "a maximum
+# bandwidth of 200 Gbit/s between each pair of nodes"; NVLink 3.0 "200 GB/s". Not published there, so assumed
+# here: how many nodes a cell holds and how much its global links carry. The paper's code puts each FL+HSDP group
+# on one cell, so the 128 nodes are taken as 16 cells of 8, and the cells untapered: a cell's global links carry
+# its 8 nodes' 200 Gb/s each (1.6 Tb/s). The CLI sweeps that assumption.
+LEONARDO_PAIR_GBIT = 200.0  # between any two nodes (the system page); a ring hop is one pair
+LEONARDO_NODE_GBIT = 400.0  # a node's four HDR100 ports together (the system page)
+LEONARDO_NVLINK_BYTES_S = 200e9 / 2  # "NVLink 3.0 (200GB/s)" (User Guide), read as both directions together
+LEONARDO_CELL_NODES = 8  # assumed: one FL+HSDP group (8 nodes × 4 GPUs) per cell
+
+
+def leonardo_setting(cell_gbit: float | None = None, **overrides) -> Setting:
+    """The paper's workload on Leonardo's Booster as three tiers (GPU, node, Dragonfly+ cell), FedAvg in bf16.
+
+    ``cell_gbit``: bandwidth of a cell's global links to the other cells, Gb/s each way (default: untapered,
+    its nodes' pair bandwidth summed). bf16 FedAvg because the paper's authors averaged in bf16.
+    """
+    cell = LEONARDO_CELL_NODES * LEONARDO_PAIR_GBIT if cell_gbit is None else cell_gbit
+    base = paper_setting()
+    network = Network(
+        inter_node_bytes_s=LEONARDO_PAIR_GBIT * 1e9 / 8,
+        intra_node_bytes_s=LEONARDO_NVLINK_BYTES_S,
+        inter_latency_s=base.network.inter_latency_s,
+        intra_latency_s=base.network.intra_latency_s,
+        inter_rack_bytes_s=cell * 1e9 / 8,
+        inter_rack_latency_s=2 * base.network.inter_latency_s,  # assumed: a global hop adds a switch hop or two
+    )
+    model = replace(base.model, sync_bytes=2)
+    return replace(
+        base, model=model, network=network, nodes_per_rack=LEONARDO_CELL_NODES,
+        fl_hsdp_group=LEONARDO_CELL_NODES * base.ranks_per_node, **overrides,
+    )  # fmt: skip
+
+
 def speedups(costs: dict[str, StepCost], baseline: str = "FSDP", overlapped: bool = False) -> dict[str, float]:
     """Tokens/s of each method over ``baseline``'s: all methods process the same tokens per step."""
     time = (lambda c: c.overlapped_s) if overlapped else (lambda c: c.serial_s)
@@ -465,6 +502,62 @@ def headline(setting: Setting, costs: dict[str, StepCost]) -> list[str]:
     ]
 
 
+def three_tier_report(setting: Setting) -> str:
+    """The projection on three tiers (``setting.nodes_per_rack`` set), the sweep over the inter-cell bandwidth,
+    the bandwidth at which FL+FSDP and FL+HSDP reach the paper's 8.04×, and what that requires."""
+    net, cell = setting.network, setting.nodes_per_rack
+    costs = setting.costs()
+    serial, overlap = speedups(costs), speedups(costs, overlapped=True)
+    fedavg = {2: "bf16", 4: "fp32"}.get(setting.model.sync_bytes, f"{setting.model.sync_bytes} B")
+    lines = [
+        f"Three tiers, Leonardo Booster: {setting.world_size} A100 = {setting.world_size // setting.ranks_per_node} "
+        f"nodes × {setting.ranks_per_node} in cells of {cell} nodes (assumed; FL+HSDP group = a cell); node pair "
+        f"{net.inter_node_bytes_s * 8 / 1e9:g} Gb/s (published; {LEONARDO_NODE_GBIT:g} Gb/s of ports per node), "
+        f"NVLink {net.intra_node_bytes_s / 1e9:g} GB/s each way (published 200 GB/s), cell uplink "
+        f"{net.inter_rack_bytes_s * 8 / 1e9:g} Gb/s (assumed); FedAvg in {fedavg}; MFU {setting.mfu:g}, H = "
+        f"{setting.sync_steps}.",
+        "",
+        "method    inter GB/node  inter-cell GB/cell  comm s   serial s  speedup serial, overlap",
+    ]
+    for name, c in costs.items():
+        lines.append(
+            f"{name:<9} {_gb(c.inter_bytes_per_node)}       {_gb(c.inter_rack_bytes_per_rack)}          "
+            f"{c.comm_s:7.3f}  {c.serial_s:7.3f}    {serial[name]:6.2f}× {overlap[name]:6.2f}×"
+        )
+    sweep = (12.5, 25, 50, 100, 200, 400, 800, 1600)
+    lines += ["", "Speedup over FSDP (serial model) against a cell's uplink bandwidth:"]
+    lines.append("Gb/s/cell " + "".join(f"{bw:>8g}" for bw in sweep))
+    at = [speedups(replace(setting, network=replace(net, inter_rack_bytes_s=bw * 1e9 / 8)).costs()) for bw in sweep]
+    for name in ("HSDP", "FL+FSDP", "FL+HSDP"):
+        lines.append(f"{name:<10}" + "".join(f"{speedup[name]:7.2f}×" for speedup in at))
+    lines.append("")
+    for name in ("FL+FSDP", "FL+HSDP"):
+        needed = bandwidth_for_speedup(setting, name, PAPER_HEADLINE_SPEEDUP, tier="inter_rack_bytes_s")
+        ceiling = costs["FSDP"].inter_rack_bytes_per_rack / costs[name].inter_rack_bytes_per_rack
+        reach = (
+            f"at a cell uplink of {needed * 8 / 1e9:.1f} Gb/s ({needed * 8 / 1e9 / cell:.2f} Gb/s per node of the cell)"
+            if needed is not None
+            else f"at no cell bandwidth: its ceiling (ratio of inter-cell bytes) is {ceiling:.2f}×"
+        )
+        lines.append(f"{name} reaches {PAPER_HEADLINE_SPEEDUP}× {reach}.")
+    fp32 = replace(setting, model=replace(setting.model, sync_bytes=4)).costs()
+    fp32_ceiling = costs["FSDP"].inter_rack_bytes_per_rack / fp32["FL+FSDP"].inter_rack_bytes_per_rack
+    lines += [
+        "",
+        f"What would have to be true for {PAPER_HEADLINE_SPEEDUP}×: in this model only FL+FSDP gets there, and only "
+        "when the links leaving a cell are the bottleneck of FSDP's step: the job's share of a cell's global links "
+        "around the figure above, an order of magnitude or two below its nodes' own links (a tapered Dragonfly+, "
+        "global links shared with other jobs, or FSDP's many concurrent all-gather and reduce-scatter flows "
+        "getting far less than the nominal rate), with FedAvg in bf16: in fp32 the ceiling is "
+        f"{fp32_ceiling:.2f}×, below {PAPER_HEADLINE_SPEEDUP}×. FL+HSDP, as hf_fedshard averages it (every replica "
+        f"all-reduces its shard across the cells, {cell} copies per cell), cannot: its replicas also all-reduce "
+        "gradients between the cell's nodes at every step, at the node tier's rate. None of the cell figures is "
+        "published with the machine's description; a measurement of FSDP's inter-cell throughput on the paper's "
+        "placement would settle which of these holds.",
+    ]
+    return "\n".join(lines)
+
+
 def make_parser() -> argparse.ArgumentParser:
     setting = paper_setting()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
@@ -478,6 +571,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sync-steps", type=int, default=setting.sync_steps, help="H.")
     parser.add_argument("--world-size", type=int, default=setting.world_size)
     parser.add_argument("--ranks-per-node", type=int, default=setting.ranks_per_node)
+    parser.add_argument("--cell-gbit", type=float, help="Three tiers: a Leonardo cell's uplink, Gb/s (untapered).")
     return parser  # fmt: skip
 
 
@@ -493,6 +587,8 @@ def main(argv: list[str] | None = None) -> None:
         network=replace(base.network, inter_node_bytes_s=args.inter_node_gbit * 1e9 / 8),
     )
     print(report(setting))
+    print()
+    print(three_tier_report(leonardo_setting(args.cell_gbit, sync_steps=args.sync_steps, mfu=args.mfu)))
 
 
 if __name__ == "__main__":

@@ -195,3 +195,27 @@ def test_three_tier_closed_forms_match_ring_counting(world, per_node, per_rack):
 def test_racks_must_divide_the_nodes():
     with pytest.raises(ValueError, match="nodes_per_rack=3 must divide the number of nodes"):
         step_cost(ModelCost(P, ONCE, units=3), FederationLayout(8, 2), 2, 8, nodes_per_rack=3)
+
+
+def test_leonardo_three_tier_projection():
+    """bf16 FedAvg on cells of 8 nodes: FL+FSDP reaches the paper's 8.04× at some cell bandwidth, FL+HSDP at none."""
+    from dataclasses import replace
+
+    from hf_fedshard.cost import leonardo_setting
+
+    setting = leonardo_setting()
+    assert (setting.nodes_per_rack, setting.model.sync_bytes, setting.fl_hsdp_group) == (8, 2, 32)
+    costs = setting.costs()
+    # FSDP's world ring leaves each cell once per step, as it leaves each node: the same bytes on both tiers.
+    assert costs["FSDP"].inter_rack_bytes_per_rack == pytest.approx(costs["FSDP"].inter_bytes_per_node)
+    needed = bandwidth_for_speedup(setting, "FL+FSDP", PAPER_HEADLINE_SPEEDUP, tier="inter_rack_bytes_s")
+    at = replace(setting, network=replace(setting.network, inter_rack_bytes_s=needed))
+    assert speedups(at.costs())["FL+FSDP"] == pytest.approx(PAPER_HEADLINE_SPEEDUP, rel=1e-6)
+    assert bandwidth_for_speedup(setting, "FL+HSDP", PAPER_HEADLINE_SPEEDUP, tier="inter_rack_bytes_s") is None
+
+
+def test_cli_prints_the_three_tier_setting(capsys):
+    main(["--cell-gbit", "100"])
+    out = capsys.readouterr().out
+    for text in ("Three tiers, Leonardo Booster", "cell uplink 100 Gb/s", "FedAvg in bf16", "What would have to be"):
+        assert text in out
