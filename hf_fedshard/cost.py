@@ -281,6 +281,23 @@ def step_cost(
     )
 
 
+OPTIMIZER_STATE_BYTES = 16  # fp32 parameter, gradient, and AdamW's two moments, per parameter
+OUTER_STATE_BYTES = 8  # an outer optimizer's fp32 anchor and momentum (DiLoCo-style), per parameter
+
+
+def model_state_bytes_per_rank(params: int, layout: FederationLayout, outer_optimizer: bool = False) -> float:
+    """Model state one rank holds: parameters, gradients and AdamW state in fp32 (and an outer optimizer's anchor
+    and momentum), sharded over the group's ``dp_shard`` axis; a replica or a whole-model method (DDP, LocalSGD:
+    a layout with shard size 1) holds all of it. Activations and FSDP2's gathered units come on top."""
+    per_param = OPTIMIZER_STATE_BYTES + (OUTER_STATE_BYTES if outer_optimizer else 0)
+    return per_param * params / layout.shard_size
+
+
+def largest_model_params(budget_bytes: float, layout: FederationLayout, outer_optimizer: bool = False) -> int:
+    """The most parameters whose model state fits ``budget_bytes`` per rank under ``layout``."""
+    return int(budget_bytes / model_state_bytes_per_rank(1, layout, outer_optimizer))
+
+
 def llama_parameters(
     hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, tied: bool = False, **_
 ) -> tuple[int, int]:

@@ -219,3 +219,14 @@ def test_cli_prints_the_three_tier_setting(capsys):
     out = capsys.readouterr().out
     for text in ("Three tiers, Leonardo Booster", "cell uplink 100 Gb/s", "FedAvg in bf16", "What would have to be"):
         assert text in out
+
+
+def test_model_state_per_rank_and_largest_model():
+    """16 B per parameter (fp32 weights, gradients, two AdamW moments), 24 B with an outer optimizer, over S ranks."""
+    from hf_fedshard.cost import largest_model_params, model_state_bytes_per_rank
+
+    assert model_state_bytes_per_rank(1000, FederationLayout(8)) == 2000  # FSDP over 8 ranks
+    assert model_state_bytes_per_rank(1000, FederationLayout(8, 8, 2)) == 8000  # HSDP: shards of 2
+    assert model_state_bytes_per_rank(1000, FederationLayout(8, 1, 1)) == 16000  # LocalSGD: a whole model
+    assert model_state_bytes_per_rank(1000, FederationLayout(8, 2), outer_optimizer=True) == 12000
+    assert largest_model_params(64e9, FederationLayout(512, 4)) == 16_000_000_000  # 64 GB, FL+FSDP over 4 GPUs
