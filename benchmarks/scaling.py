@@ -48,7 +48,8 @@ def point(runs: list[dict], method: str, cfg: dict) -> dict:
     """One method at one scale over its repetitions: speedups, share of the ideal, prediction and memory."""
     measured = [r["methods"][method] for r in runs]
     fsdp = [r["methods"]["FSDP"] for r in runs]
-    predicted = [f["predicted"]["s_per_step"] / m["predicted"]["s_per_step"] for m, f in zip(measured, fsdp, strict=True)]
+    pairs = zip(measured, fsdp, strict=True)
+    predicted = [f["predicted"]["s_per_step"] / m["predicted"]["s_per_step"] for m, f in pairs]
     layout, _ = layout_of(method, cfg)
     return {
         "speedup_vs_fsdp": spread([m["speedup_vs_fsdp"] for m in measured]),
