@@ -210,7 +210,7 @@ def config_from_args(args: argparse.Namespace) -> QualityConfig:
         variants=tuple(args.variants or (("FSDP", "FL+FSDP") if quick else VARIANTS)),
         seeds=tuple(args.seeds),
         model_size=args.model_size or ("micro" if quick else "tiny"),
-        tokens=args.tokens or (8 * 4 * 128 * 16 if quick else 16 * 4 * 128 * 24),
+        tokens=args.tokens or (8 * 4 * 128 * 8 if quick else 16 * 4 * 128 * 24),
         learning_rate=args.learning_rate,
         timeout_s=args.timeout_s,
     )
