@@ -31,6 +31,7 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
 from benchmarks.two_tier import DATA_CACHE, BenchConfig, prepare_data, shared_args  # noqa: E402
 
 GROUPS, RANKS_PER_GROUP = 2, 2
+CONFIG_FIELDS = ("model_size", "steps", "sync_steps", "eval_steps", "batch_size", "block_size", "learning_rate", "seed")
 
 
 def run_args(lr: float | None, cfg: BenchConfig) -> list[str]:
@@ -120,19 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[label] = [{**e, "tokens": e["step"] * cfg.tokens_per_step,
                             "eval_perplexity": math.exp(e["eval_loss"])} for e in evals]  # fmt: skip
     results = {
-        "config": {
-            k: getattr(cfg, k)
-            for k in (
-                "model_size",
-                "steps",
-                "sync_steps",
-                "eval_steps",
-                "batch_size",
-                "block_size",
-                "learning_rate",
-                "seed",
-            )
-        },  # fmt: skip
+        "config": {k: getattr(cfg, k) for k in CONFIG_FIELDS},
         "tokens_per_step": cfg.tokens_per_step,
         "runs": runs,
         "command": shlex.join(
