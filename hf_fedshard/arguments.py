@@ -6,6 +6,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from transformers.trainer_utils import IntervalStrategy
 
 from .errors import ConfigError
 from .mesh import FederationLayout
+from .timeouts import start_world_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +153,17 @@ class FedShardTrainingArguments(TrainingArguments):
                 if layout.federated
                 else "with one federation group",
             )
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        # Transformers' use_cpu set-up leaves ddp_timeout out of the world process group: create it first.
+        start_world_process_group(self)
+        return super()._setup_devices
+
+    @property
+    def fed_exchange_timeout_s(self) -> float:
+        """Seconds an averaging waits for the other groups: ``fed_timeout_s``, else ``ddp_timeout``."""
+        return self.fed_timeout_s if self.fed_timeout_s is not None else self.ddp_timeout
 
     @property
     def fed_requested(self) -> bool:

@@ -37,6 +37,8 @@ from .errors import ConfigError
 from .fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
 from .group_eval import evaluate_each_group
 from .mesh import FederationLayout, destroy_gloo_groups_at_exit, fed_process_group, group_process_group
+from .resume import resumable_checkpoint
+from .timeouts import explain_stalled_collectives
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +95,7 @@ class FedShardTrainer(Trainer):
         self._group_eval: tuple[int, dict[str, float]] | None = None  # (step, metrics) of the last group eval
         if self.fed_layout.federated:
             self.fed_callback = FedAvgCallback(
-                fed_group=fed_process_group(self.fed_mesh, self.fed_layout, args.fed_timeout_s),
+                fed_group=fed_process_group(self.fed_layout, args.fed_exchange_timeout_s),
                 num_groups=self.fed_layout.num_groups,
                 sync_steps=args.fed_sync_steps,
                 average_optimizer_state=args.fed_average_optimizer_state,
@@ -161,18 +163,22 @@ class FedShardTrainer(Trainer):
     def train(
         self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs
     ):
-        # Pick the checkpoint (fed_auto_resume) and refuse bad input on every rank before any collective.
-        if resume_from_checkpoint is None and self.args.fed_auto_resume:
-            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is not None and self.args.should_log:
-                logger.warning("hf_fedshard: fed_auto_resume: resuming from %s", resume_from_checkpoint)
-        elif resume_from_checkpoint is True and self.fed_callback is not None:
-            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir) or True
-        if self.fed_callback is not None and isinstance(resume_from_checkpoint, str):
-            check_resumable(resume_from_checkpoint, self.fed_layout, self.model)
+        # Refuse bad input, then resume from a checkpoint that verifies (fed_auto_resume, True: the newest one).
         if self.args.fed_requested and has_length(self.train_dataset):
             self.args.check_train_dataset_size(len(self.train_dataset))
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        auto = resume_from_checkpoint is None and self.args.fed_auto_resume
+        if self.fed_callback is not None:
+            resume_from_checkpoint = resumable_checkpoint(
+                resume_from_checkpoint, self.args, self.fed_layout, self.model
+            )
+        elif auto:
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
+        if isinstance(resume_from_checkpoint, str):
+            check_resumable(resume_from_checkpoint, self.fed_layout, self.model)  # one group refuses federated ones
+            if auto and self.args.should_log:
+                logger.warning("hf_fedshard: fed_auto_resume: resuming from %s", resume_from_checkpoint)
+        with explain_stalled_collectives(lambda: self.state.global_step, self.args.ddp_timeout):
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     @property
     def _group_pg(self) -> ProcessGroup:
