@@ -146,6 +146,8 @@ class FedShardTrainingArguments(TrainingArguments):
         if layout.federated:
             self.average_tokens_across_devices = False
         super().__post_init__()
+        if layout.federated:
+            self._say_averaging_schedule()
         if self.fed_eval_per_group and not self.fed_evaluates_groups:
             _notice(
                 "fed_eval_per_group has no effect %s",
@@ -194,6 +196,21 @@ class FedShardTrainingArguments(TrainingArguments):
                 f" × gradient_accumulation_steps({self.gradient_accumulation_steps}) = {world_batch}. Use a larger "
                 "dataset, or lower --per_device_train_batch_size or --gradient_accumulation_steps."
             )
+
+    def _say_averaging_schedule(self) -> None:
+        """Say once when evaluations add averagings (each evaluation averages first) to the one every H steps."""
+        every = self.eval_steps if self.eval_steps is not None else self.logging_steps
+        if self.eval_strategy != IntervalStrategy.STEPS or every < 1 or int(every) % self.fed_sync_steps == 0:
+            return
+        every, sync = int(every), self.fed_sync_steps
+        limit = min(8 * max(every, sync), self.max_steps) if self.max_steps > 0 else 8 * max(every, sync)
+        steps = sorted({*range(sync, limit + 1, sync), *range(every, limit + 1, every)})
+        shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+        _notice(
+            "averaging every fed_sync_steps=%d optimizer steps and before each evaluation (eval_steps=%d is not a "
+            "multiple of %d): at steps %s. Set --eval_steps to a multiple of %d to average every %d steps only.",
+            sync, every, sync, shown, sync, sync,
+        )  # fmt: skip
 
     def _check_sharding_backend(self) -> None:
         """Federation runs on FSDP2 only; say so before `TrainingArguments` sets up any process group."""
