@@ -54,8 +54,9 @@ class FedShardTrainingArguments(TrainingArguments):
 
     Fault tolerance (docs/fault_tolerance.md):
         fed_timeout_s (`float`, *optional*): seconds an averaging waits for the other groups before it fails
-            with an error naming this setting. `None` keeps the world's `ddp_timeout` (30 minutes by default).
-        fed_auto_resume (`bool`, defaults to `False`): `train()` resumes from the latest complete checkpoint in
+            with an error naming this setting. `None` uses `ddp_timeout` (30 minutes by default), which bounds
+            every other collective across groups, on CPU too.
+        fed_auto_resume (`bool`, defaults to `False`): `train()` resumes from the newest verifying checkpoint in
             `output_dir` when there is one (and starts afresh otherwise), so that a job restarted by
             `torchrun --max-restarts=N` continues where it stopped. Needs `save_strategy="steps"` or `"epoch"`.
 
@@ -107,7 +108,7 @@ class FedShardTrainingArguments(TrainingArguments):
     fed_auto_resume: bool = field(
         default=False,
         metadata={
-            "help": "Resume from the latest complete checkpoint in output_dir if there is one (for torchrun "
+            "help": "Resume from the newest checkpoint in output_dir that verifies, if there is one (for torchrun "
             "--max-restarts): a restarted job continues where it stopped."
         },
     )
