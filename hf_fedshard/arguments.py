@@ -1,4 +1,13 @@
-"""`FedShardTrainingArguments`: `TrainingArguments` plus the federation settings, parsed by `HfArgumentParser`."""
+"""The federation settings (`fed_*`) as a dataclass mixin, and `FedShardTrainingArguments` built from it.
+
+`FedShardArgumentsMixin` adds the `fed_*` fields to any `TrainingArguments` subclass (TRL's configs too); put it
+first among the bases so that its `__post_init__` adjusts the settings before the subclass's own runs::
+
+    @dataclass
+    class MyConfig(FedShardArgumentsMixin, SFTConfig): ...
+
+`HfArgumentParser` parses the fields like any other.
+"""
 
 from __future__ import annotations
 
@@ -31,8 +40,8 @@ def _env_flag(name: str) -> bool:
 
 
 @dataclass
-class FedShardTrainingArguments(TrainingArguments):
-    """Training arguments for FL+FSDP / FL+HSDP.
+class FedShardArgumentsMixin:
+    """The federation settings of FL+FSDP / FL+HSDP, for any `TrainingArguments` subclass (bases: mixin first).
 
     Federation layout:
         fed_group_size (`int`, *optional*): ranks per federation group (contiguous ranks, e.g. one node).
@@ -114,6 +123,7 @@ class FedShardTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        # Adjust FSDP, use_cpu and token averaging before TrainingArguments reads them.
         if self.fed_sync_steps < 1:
             raise ConfigError(
                 f"fed_sync_steps={self.fed_sync_steps}: it must be at least 1. Set --fed_sync_steps to the "
@@ -237,3 +247,8 @@ class FedShardTrainingArguments(TrainingArguments):
         if _env_flag("ACCELERATE_USE_FSDP"):
             return int(os.environ.get("FSDP_VERSION", "1"))
         return None
+
+
+@dataclass
+class FedShardTrainingArguments(FedShardArgumentsMixin, TrainingArguments):
+    """`TrainingArguments` plus the federation settings of `FedShardArgumentsMixin` (see its fields)."""

@@ -1,4 +1,7 @@
-"""`FedShardTrainer`: `transformers.Trainer` with FL+FSDP / FL+HSDP; the training loop is Transformers' own."""
+"""`FedShardMixin` (FL+FSDP / FL+HSDP for any `Trainer` subclass) and `FedShardTrainer` = the mixin + `Trainer`.
+
+The training loop is Transformers' own; the mixin only wraps `Trainer` methods.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, has_length, rotate_checkpoints
 
-from .arguments import FedShardTrainingArguments
+from .arguments import FedShardArgumentsMixin, FedShardTrainingArguments
 from .callback import FedAvgCallback
 from .card import TrainingClock, write_card
 from .checkpoint import (
@@ -50,12 +53,22 @@ def _perplexity(loss: float) -> float:
         return math.inf
 
 
-class FedShardTrainer(Trainer):
-    """A drop-in `Trainer` that trains with FSDP2 inside federation groups and FedAvg across them.
+class FedShardMixin(Trainer):
+    """The federation behaviour of `FedShardTrainer`, for any `transformers.Trainer` subclass.
 
-    Same constructor as `Trainer`; the federation comes from `FedShardTrainingArguments`. With one group
-    it is `Trainer` under FSDP2 (on CPU too, where Accelerate alone would fall back to DDP). With several,
-    a `FedAvgCallback` averages the model across groups every `fed_sync_steps` optimizer steps.
+    Put it after the subclass, right above `Trainer`, so that the subclass's own overrides run first and reach the
+    federation through `super()` (TRL's `log` adds its metrics, its `_save_checkpoint` writes its card, then the
+    federated checkpoint is written)::
+
+        class MyTrainer(SFTTrainer, FedShardMixin): ...   # MRO: MyTrainer, SFTTrainer, ..., FedShardMixin, Trainer
+
+    The arguments must carry the `fed_*` fields (`FedShardTrainingArguments`, or a config built on
+    `FedShardArgumentsMixin`). With one group it is the subclass under FSDP2 (on CPU too, where Accelerate alone
+    would fall back to DDP). With several, a `FedAvgCallback` averages the model across groups every
+    `fed_sync_steps` optimizer steps.
+
+    Nothing here reads the model or the arguments before `Trainer.__init__` has them: a subclass may resolve a
+    Hub id to a model, wrap it with PEFT or rebuild its arguments first.
 
     Attributes:
         fed_layout: the `FederationLayout` (groups, replicas, shards).
@@ -67,23 +80,16 @@ class FedShardTrainer(Trainer):
     in the ordinary Hugging Face format.
     """
 
-    def __init__(self, model=None, args: FedShardTrainingArguments | None = None, *pos, **kwargs) -> None:
-        args = FedShardTrainingArguments(output_dir="trainer_output") if args is None else args
-        if not isinstance(args, FedShardTrainingArguments):
-            raise TypeError(
-                f"FedShardTrainer needs FedShardTrainingArguments, got {type(args).__name__}. "
-                "Build the arguments with hf_fedshard.FedShardTrainingArguments (same fields, plus fed_*)."
-            )
-        self.fed_layout: FederationLayout = args.fed_layout
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Only plain attributes before Trainer.__init__: a subclass may not have resolved the model or args yet.
         self.fed_mesh: DeviceMesh | None = None
         self.fed_callback: FedAvgCallback | None = None
-        if args.fed_requested and model is not None and not any(p.requires_grad for p in model.parameters()):
-            raise ConfigError(
-                f"{type(model).__name__} has no parameter with requires_grad=True: nothing to train or average. "
-                "Unfreeze some parameters (or attach a PEFT adapter) before building the trainer."
-            )
-        super().__init__(model, args, *pos, **kwargs)
-        if args.fed_evaluates_groups and (isinstance(self.eval_dataset, dict) or not has_length(self.eval_dataset)):
+        self._card_kwargs: dict[str, Any] = {}
+        self._group_eval: tuple[int, dict[str, float]] | None = None  # (step, metrics) of the last group eval
+        super().__init__(*args, **kwargs)
+        if self.args.fed_evaluates_groups and (
+            isinstance(self.eval_dataset, dict) or not has_length(self.eval_dataset)
+        ):
             raise ConfigError(
                 "fed_eval_per_group evaluates each group on one eval_dataset with a length, but got "
                 f"{type(self.eval_dataset).__name__}. Pass a single map-style eval_dataset, or turn "
@@ -91,22 +97,42 @@ class FedShardTrainer(Trainer):
             )
         destroy_gloo_groups_at_exit()
         self.add_callback(TrainingClock())
-        self._card_kwargs: dict[str, Any] = {}
-        self._group_eval: tuple[int, dict[str, float]] | None = None  # (step, metrics) of the last group eval
         if self.fed_layout.federated:
             self.fed_callback = FedAvgCallback(
-                fed_group=fed_process_group(self.fed_layout, args.fed_exchange_timeout_s),
+                fed_group=fed_process_group(self.fed_layout, self.args.fed_exchange_timeout_s),
                 num_groups=self.fed_layout.num_groups,
-                sync_steps=args.fed_sync_steps,
-                average_optimizer_state=args.fed_average_optimizer_state,
+                sync_steps=self.args.fed_sync_steps,
+                average_optimizer_state=self.args.fed_average_optimizer_state,
                 group=self._group_pg if self.fed_layout.group_size > 1 else None,
-                timeout_s=args.fed_timeout_s,
-                before_eval=self._evaluate_each_group if args.fed_eval_per_group else None,
+                timeout_s=self.args.fed_timeout_s,
+                before_eval=self._evaluate_each_group if self.args.fed_eval_per_group else None,
             )
             self.add_callback(self.fed_callback)
 
+    @property
+    def fed_layout(self) -> FederationLayout:
+        """The federation layout of this run, from the arguments (the same on every call)."""
+        return self.args.fed_layout
+
+    def _check_federation_inputs(self) -> None:
+        """Refuse arguments without fed_* fields and a model with nothing to train, on every rank alike."""
+        if not isinstance(self.args, FedShardArgumentsMixin):
+            raise TypeError(
+                f"{type(self).__name__} needs FedShardTrainingArguments (or arguments built on "
+                f"FedShardArgumentsMixin), got {type(self.args).__name__}. Build the arguments with "
+                "hf_fedshard.FedShardTrainingArguments (same fields, plus fed_*)."
+            )
+        model = self.model
+        if self.args.fed_requested and model is not None and not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError(
+                f"{type(model).__name__} has no parameter with requires_grad=True: nothing to train or average. "
+                "Unfreeze some parameters (or attach a PEFT adapter) before building the trainer."
+            )
+
     def create_accelerator_and_postprocess(self) -> None:
         # Keep FSDP on CPU (Accelerate falls back to DDP there) and shard over one group, not the world.
+        # Trainer.__init__ calls this first with self.args and self.model set: check them before any process group.
+        self._check_federation_inputs()
         super().create_accelerator_and_postprocess()
         plugin = requested_fsdp_plugin(self.args)
         if plugin is None:
@@ -305,3 +331,16 @@ class FedShardTrainer(Trainer):
         self._save(output_dir or self.args.output_dir, state_dict=self.accelerator.get_state_dict(self.model))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+class FedShardTrainer(FedShardMixin, Trainer):
+    """A drop-in `Trainer` that trains with FSDP2 inside federation groups and FedAvg across them.
+
+    Same constructor as `Trainer`; the federation comes from `FedShardTrainingArguments` (see `FedShardMixin`,
+    which already derives from `Trainer`: naming `Trainer` here only spells out what the trainer is).
+    """
+
+    def __init__(self, model=None, args: FedShardTrainingArguments | None = None, *pos, **kwargs) -> None:
+        # Default arguments with the fed_* fields, where Trainer would default to plain TrainingArguments.
+        args = FedShardTrainingArguments(output_dir="trainer_output") if args is None else args
+        super().__init__(model, args, *pos, **kwargs)
