@@ -9,6 +9,8 @@ where they would). A federated ``checkpoint-N/`` holds::
     fed_group{g}/model/               DCP checkpoint of group g's model shards, written by group g's ranks only
     fed_group{g}/optimizer/           DCP checkpoint of group g's optimizer state
     fed_group{g}/fedavg_rank{r}.json  FedAvg counters of rank r (syncs, bytes sent, last averaged step, ...)
+    fed_outer/position{p}.pt          anchor and outer momentum of the shards at position p of a group
+                                      (equal in every group: group 0 writes them, every group reads them)
     config.json, scheduler.pt, rng_state_{r}.pth, trainer_state.json   Trainer's own files
     manifest.json                     every other file's size and SHA-256, written last (`hf_fedshard.manifest`)
 
@@ -247,3 +249,23 @@ def atomic_checkpoint(final_dir: str, is_writer: bool) -> Iterator[str]:
             shutil.rmtree(final_dir)
         os.rename(staging, final_dir)
     dist.barrier()
+
+
+def outer_state_path(checkpoint: str | Path, position: int) -> str:
+    """The file of the anchor and outer momentum of the shards at ``position`` (rank within a group)."""
+    return os.path.join(checkpoint, "fed_outer", f"position{position}.pt")
+
+
+def save_outer_state(checkpoint: str, position: int, state: dict | None) -> None:
+    """Write one position's anchor and outer momentum (fp32 local shards; group 0's ranks write them)."""
+    if state is None:
+        return
+    path = outer_state_path(checkpoint, position)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(state, path)
+
+
+def load_outer_state(checkpoint: str, position: int) -> dict | None:
+    """One position's anchor and outer momentum, or ``None`` for a checkpoint written without them."""
+    path = outer_state_path(checkpoint, position)
+    return torch.load(path, weights_only=True) if os.path.isfile(path) else None

@@ -180,6 +180,11 @@ def fed_process_group(layout: FederationLayout, timeout_s: float) -> ProcessGrou
     return group
 
 
+def replica_process_group(mesh: DeviceMesh) -> ProcessGroup:
+    """The process group of the HSDP replicas of this rank's shard inside its group (fast tier): split exchange."""
+    return mesh.get_group(MeshAxis.REPLICATE.value)
+
+
 def group_process_group(mesh: DeviceMesh) -> ProcessGroup:
     """The process group of every rank of this rank's federation group (fast tier): checkpoints, flags."""
     return mesh.get_group(MeshAxis.DATA.value)

@@ -217,18 +217,6 @@ def test_damaged_checkpoints_are_renamed_aside_out_of_every_listing(tmp_path):
     assert not list(tmp_path.glob("checkpoint-4*"))  # Trainer's rotation globs checkpoint-*
 
 
-@pytest.mark.parametrize(("eval_steps", "said"), [(6, "at steps 4, 6, 8, 12, 16, 18, 20, 24, ..."), (8, None)])
-def test_evaluations_that_add_averagings_are_said_at_start_up(tmp_path, world4_no_setup, caplog, eval_steps, said):
-    with caplog.at_level(logging.WARNING, logger="hf_fedshard.arguments"):
-        make_args(tmp_path, fed_sync_steps=4, eval_strategy="steps", eval_steps=eval_steps)
-    expected = (
-        f"averaging every fed_sync_steps=4 optimizer steps and before each evaluation (eval_steps={eval_steps} is not "
-        f"a multiple of 4): {said}. Set --eval_steps to a multiple of 4 to average every 4 steps only."
-    )
-    assert (expected in caplog.text) == (said is not None)
-    assert caplog.text.count("before each evaluation") == (1 if said else 0)
-
-
 def test_card_says_when_groups_diverged():
     history = [{"step": 2, "fed_diverged_groups": 0}, {"step": 4, "fed_diverged_groups": 1},
                {"step": 5, "fed_diverged_groups": 1}, {"step": 9, "fed_diverged_groups": 3}]  # fmt: skip

@@ -61,7 +61,7 @@ def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 
 def test_each_group_saves_its_own_shards(reference, tmp_path):
-    out, _ = reference
+    out, runs = reference
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert not list(out.glob("tmp-*"))
     layout = json.loads((out / "checkpoint-2" / "fed_layout.json").read_text())
@@ -73,7 +73,12 @@ def test_each_group_saves_its_own_shards(reference, tmp_path):
     assert not torch.equal(between[0][name], between[1][name])  # groups differ between averagings
     assert all(torch.equal(on_sync[0][k], on_sync[1][k]) for k in on_sync[0])  # and agree right after one
     counters = json.loads((out / "checkpoint-4" / "fed_group1" / "fedavg_rank3.json").read_text())
-    assert (counters["syncs"], counters["last_synced_step"]) == (1, 4)
+    assert (counters["syncs"], counters["last_synced_step"]) == (2, 4)  # step 0's averaging, then step 4's
+    names = list(runs[0]["local_params"])  # the order of model.parameters(), which the anchor follows
+    for position in (0, 1):  # right after an averaging, each position's anchor is its shard of the model
+        anchor = torch.load(out / "checkpoint-4" / "fed_outer" / f"position{position}.pt")["anchor"]
+        for name, shard in zip(names, anchor, strict=True):
+            assert torch.equal(shard, on_sync[0][name].chunk(2)[position]), name
 
 
 def test_save_model_exports_the_global_model_in_hf_format(reference):
@@ -86,7 +91,7 @@ def test_save_model_exports_the_global_model_in_hf_format(reference):
 
 
 def test_save_model_between_averagings_exports_their_average(tmp_path):
-    """2 groups of 1 rank, H=4: save_model at step 3 averages the drifted groups first, then writes the average."""
+    """2 groups of 1 rank, H=4: save_model at step 3 writes the drifted groups' average; each group keeps its own."""
     args = ["--fed_group_size", "1", "--fed_sync_steps", "4", "--max_steps", "4", "--export_at_step", "3",
             "--export_dir", tmp_path / "export", *ADAMW]  # fmt: skip
     runs = train_tiny(2, tmp_path, args)
@@ -95,7 +100,9 @@ def test_save_model_between_averagings_exports_their_average(tmp_path):
     assert any(not torch.equal(group0[name], group1[name]) for name in group0)  # the groups had drifted
     for name, value in group0.items():
         torch.testing.assert_close(exported[name], (value + group1[name]) / 2, atol=1e-7, rtol=1e-6, msg=name)
-    assert runs[0]["fed_counters"]["syncs"] == 2  # the export's averaging, then step 4's
+    for run in runs:  # the export changed no group's model
+        assert all(torch.equal(run["params_after_export"][n], v) for n, v in run["params_before_export"].items())
+    assert runs[0]["fed_counters"]["syncs"] == 2  # step 0's averaging, then step 4's: the export is none
 
 
 def test_killed_rank_restarts_and_resumes_exactly(reference, tmp_path):
