@@ -37,6 +37,9 @@ class ScriptArguments:
     trainer: str = field(default="fed", metadata={"help": "fed: FedShardSFTTrainer; plain: trl.SFTTrainer."})
     use_peft: bool = field(default=False, metadata={"help": "LoRA (r=4 on q_proj, v_proj) through peft_config."})
     num_samples: int = field(default=64, metadata={"help": "Training samples."})
+    count_group_size: int = field(
+        default=2, metadata={"help": "Ranks per group when counting cross-group bytes (plain runs have no groups)."}
+    )
 
 
 def token_dataset(n: int, seed: int) -> Dataset:
@@ -67,7 +70,7 @@ def main(argv: list[str]) -> None:
         processing_class=tokenizer(),
         peft_config=peft_config,
     )
-    counter = CrossGroupBytes(args.fed_group_size or args.world_size).install()
+    counter = CrossGroupBytes(args.fed_group_size or script.count_group_size).install()
     trainer.add_callback(counter)
     trainer.train()
     counter.uninstall()
