@@ -12,7 +12,6 @@ first among the bases so that its `__post_init__` adjusts the settings before th
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,14 +22,8 @@ from transformers.trainer_utils import IntervalStrategy
 
 from .errors import ConfigError
 from .mesh import FederationLayout
+from .notices import notice as _notice
 
-logger = logging.getLogger(__name__)
-
-
-def _notice(message: str, *args: object) -> None:
-    """A setting hf_fedshard changed for the user: said once (by rank 0), visible at the default log level."""
-    if os.environ.get("RANK", "0") == "0":
-        logger.warning("hf_fedshard: " + message, *args)
 
 
 def _env_flag(name: str) -> bool:
@@ -133,8 +126,8 @@ class FedShardArgumentsMixin:
             )
         layout = self.fed_layout  # validates the sizes against WORLD_SIZE before any process group exists
         if layout.federated and 0 < self.max_steps < self.fed_sync_steps:
-            logger.warning(
-                "hf_fedshard: max_steps=%d < fed_sync_steps=%d: no averaging happens before the final one after "
+            _notice(
+                "max_steps=%d < fed_sync_steps=%d: no averaging happens before the final one after "
                 "step %d. Lower --fed_sync_steps or raise --max_steps.",
                 self.max_steps,
                 self.fed_sync_steps,

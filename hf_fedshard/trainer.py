@@ -41,6 +41,7 @@ from .fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world
 from .group_eval import evaluate_each_group
 from .group_gather import gathers_within_group
 from .mesh import FederationLayout, destroy_gloo_groups_at_exit, fed_process_group, group_process_group
+from .notices import notice
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +141,6 @@ class FedShardMixin(Trainer):
         self.is_fsdp_enabled = True
         if self.args.fed_requested:
             self.fed_mesh = use_federation_mesh(self.accelerator, self.fed_layout)
-            if self.args.should_log:
-                logger.info("hf_fedshard: %s; %s", self.fed_layout.describe(), self._batch_arithmetic())
 
     def _batch_arithmetic(self) -> str:
         group_batch = (
@@ -216,6 +215,8 @@ class FedShardMixin(Trainer):
             check_resumable(resume_from_checkpoint, self.fed_layout, self.model)
         if self.args.fed_requested and has_length(self.train_dataset):
             self.args.check_train_dataset_size(len(self.train_dataset))
+        if self.args.fed_requested:  # beside Trainer's "Total train batch size" (the world's), at the default level
+            notice("%s; %s", self.fed_layout.describe(), self._batch_arithmetic())
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     @property
