@@ -25,7 +25,6 @@ from .mesh import FederationLayout
 from .notices import notice as _notice
 
 
-
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() in ("1", "true", "yes")
 
