@@ -12,7 +12,6 @@ first among the bases so that its `__post_init__` adjusts the settings before th
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -25,16 +24,9 @@ from transformers.trainer_utils import IntervalStrategy
 from .codec import SYNC_DTYPES
 from .errors import ConfigError
 from .mesh import FederationLayout
+from .notices import notice as _notice
 from .outer import NESTEROV_DEFAULTS, OUTER_OPTIMIZERS, outer_hyperparameters
 from .timeouts import start_world_process_group
-
-logger = logging.getLogger(__name__)
-
-
-def _notice(message: str, *args: object) -> None:
-    """A setting hf_fedshard changed for the user: said once (by rank 0), visible at the default log level."""
-    if os.environ.get("RANK", "0") == "0":
-        logger.warning("hf_fedshard: " + message, *args)
 
 
 def _env_flag(name: str) -> bool:
@@ -178,8 +170,8 @@ class FedShardArgumentsMixin:
         self._check_outer_settings()
         layout = self.fed_layout  # validates the sizes against WORLD_SIZE before any process group exists
         if layout.federated and 0 < self.max_steps < self.fed_sync_steps:
-            logger.warning(
-                "hf_fedshard: max_steps=%d < fed_sync_steps=%d: no averaging happens before the final one after "
+            _notice(
+                "max_steps=%d < fed_sync_steps=%d: no averaging happens before the final one after "
                 "step %d. Lower --fed_sync_steps or raise --max_steps.",
                 self.max_steps,
                 self.fed_sync_steps,

@@ -161,6 +161,16 @@ class FederatedParallelismConfig(ParallelismConfig):
     def total_size(self) -> int:
         return self.fed_size * super().total_size
 
+    @property
+    def fsdp_dim_names(self) -> list[str]:
+        """The group's own FSDP axes, so that Accelerate's ``mesh[fsdp_dim_names]`` slices no flattened axis.
+
+        Accelerate names its flattened ``dp_shard_cp`` here, and slicing a flattened axis from the root mesh warns
+        on every rank ("will be deprecated in PT 2.11"); without context parallelism (refused with a federation)
+        it is ``dp_shard`` itself.
+        """
+        return [MeshAxis.REPLICATE.value, MeshAxis.SHARD.value] if self.dp_replicate_enabled else [MeshAxis.SHARD.value]
+
     def build_device_mesh(self, device_type: str) -> DeviceMesh:
         layout = FederationLayout(
             world_size=self.total_size,

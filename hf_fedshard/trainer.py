@@ -22,7 +22,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, has_
 
 from .arguments import FedShardArgumentsMixin, FedShardTrainingArguments
 from .callback import FedAvgCallback
-from .card import TrainingClock, write_card
+from .card import CARD_EXTRAS, TrainingClock, clock_hidden, extend_card
 from .checkpoint import (
     atomic_checkpoint,
     check_resumable,
@@ -42,6 +42,7 @@ from .errors import ConfigError
 from .exchange import Exchange, ProcessGroupCommunicator
 from .fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
 from .group_eval import evaluate_each_group
+from .group_gather import gathers_within_group
 from .mesh import (
     FederationLayout,
     destroy_gloo_groups_at_exit,
@@ -49,6 +50,7 @@ from .mesh import (
     group_process_group,
     replica_process_group,
 )
+from .notices import notice
 from .resume import resumable_checkpoint
 from .timeouts import explain_stalled_collectives
 
@@ -158,8 +160,6 @@ class FedShardMixin(Trainer):
         self.is_fsdp_enabled = True
         if self.args.fed_requested:
             self.fed_mesh = use_federation_mesh(self.accelerator, self.fed_layout)
-            if self.args.should_log:
-                logger.info("hf_fedshard: %s; %s", self.fed_layout.describe(), self._batch_arithmetic())
 
     def _batch_arithmetic(self) -> str:
         group_batch = (
@@ -183,6 +183,13 @@ class FedShardMixin(Trainer):
         with self.fed_callback.global_model(self.model, self.state.global_step, evaluating=True):
             return super().evaluate(*args, **kwargs)
 
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Per-step metric gathers in compute_loss (TRL's token accuracy, entropy) stay inside the group.
+        if self.fed_callback is None:
+            return super().training_step(*args, **kwargs)
+        with gathers_within_group(self.accelerator, self.fed_callback.group):
+            return super().training_step(*args, **kwargs)
+
     def _evaluate_each_group(self) -> None:
         """Evaluate every group's own model (FedAvgCallback calls this before the global model is evaluated)."""
         fed = self.fed_callback
@@ -203,10 +210,20 @@ class FedShardMixin(Trainer):
         super().log(logs, start_time)
 
     def create_model_card(self, **kwargs: Any) -> None:
-        # Trainer's draft card knows nothing of the federation; push_to_hub renders this one too.
+        # Trainer's card (hyperparameters, results, versions) plus hf_fedshard's section; push_to_hub calls this too.
+        with clock_hidden(self.state):
+            super().create_model_card(**self._remember_card_kwargs(kwargs))
+        self._extend_model_card()
+
+    def _remember_card_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Keep the card's keywords for later cards (push_to_hub, checkpoints); return those the base card takes."""
         self._card_kwargs.update({k: v for k, v in kwargs.items() if v is not None})
+        return {k: v for k, v in self._card_kwargs.items() if k not in CARD_EXTRAS}
+
+    def _extend_model_card(self) -> None:
+        """Add hf_fedshard's section to the README.md the base card wrote (main process only)."""
         if self.is_world_process_zero():
-            write_card(self, **self._card_kwargs)
+            extend_card(self, **self._card_kwargs)
 
     # ---- Fault tolerance: resume, checkpoints, export ----
 
@@ -216,6 +233,8 @@ class FedShardMixin(Trainer):
         # Refuse bad input, then resume from a checkpoint that verifies (fed_auto_resume, True: the newest one).
         if self.args.fed_requested and has_length(self.train_dataset):
             self.args.check_train_dataset_size(len(self.train_dataset))
+        if self.args.fed_requested:  # beside Trainer's "Total train batch size" (the world's), at the default level
+            notice("%s; %s", self.fed_layout.describe(), self._batch_arithmetic())
         auto = resume_from_checkpoint is None and self.args.fed_auto_resume
         if self.fed_callback is not None:
             resume_from_checkpoint = resumable_checkpoint(

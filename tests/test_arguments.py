@@ -42,7 +42,8 @@ def test_parallelism_config_counts_the_groups():
     assert isinstance(config, FederatedParallelismConfig)
     assert (config.fed_size, config.dp_replicate_size, config.dp_shard_size) == (2, 2, 2)
     assert config.total_size == 8
-    assert config.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
+    assert config.fsdp_dim_names == ["dp_replicate", "dp_shard"]  # real axes: slicing them does not warn
+    assert FederationLayout(4, 2).parallelism_config().fsdp_dim_names == ["dp_shard"]
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import logging
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from hf_fedshard import FederationLayout, FedShardTrainer, FedShardTrainingArguments
+from hf_fedshard import FederationLayout, FedShardTrainer, FedShardTrainingArguments, notices
 from hf_fedshard.card import divergence_steps
 from hf_fedshard.checkpoint import (
     check_resumable,
@@ -22,6 +22,12 @@ from hf_fedshard.checkpoint import (
 )
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.manifest import checksum_problem, describe_files, list_files, size_problem
+
+
+@pytest.fixture(autouse=True)
+def fresh_notices(monkeypatch):
+    """Each test is a run of its own: hf_fedshard's notices are said once per run."""
+    monkeypatch.setattr(notices, "_said", set())
 
 
 def llama(hidden_size: int = 32) -> LlamaForCausalLM:
@@ -138,7 +144,7 @@ def test_fed_timeout_must_be_positive(tmp_path, world4_no_setup, timeout):
 
 @pytest.mark.parametrize(("max_steps", "warns"), [(3, True), (8, False), (-1, False)])
 def test_max_steps_below_fed_sync_steps_warns(tmp_path, world4_no_setup, caplog, max_steps, warns):
-    with caplog.at_level(logging.WARNING, logger="hf_fedshard.arguments"):
+    with caplog.at_level(logging.WARNING, logger="hf_fedshard"):
         make_args(tmp_path, max_steps=max_steps, fed_sync_steps=8)
     expected = (
         f"max_steps={max_steps} < fed_sync_steps=8: no averaging happens before the final one after step "
@@ -163,7 +169,7 @@ def test_fed_peer_ranks_pair_the_same_position_of_every_group():
 def test_fed_eval_per_group_without_effect_says_why(
     tmp_path, world4_no_setup, caplog, group_size, eval_strategy, notice
 ):
-    with caplog.at_level(logging.WARNING, logger="hf_fedshard.arguments"):
+    with caplog.at_level(logging.WARNING, logger="hf_fedshard"):
         FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none", fed_group_size=group_size,
                                   eval_strategy=eval_strategy, fed_eval_per_group=True)  # fmt: skip
     if notice is None:
@@ -221,3 +227,12 @@ def test_card_says_when_groups_diverged():
     history = [{"step": 2, "fed_diverged_groups": 0}, {"step": 4, "fed_diverged_groups": 1},
                {"step": 5, "fed_diverged_groups": 1}, {"step": 9, "fed_diverged_groups": 3}]  # fmt: skip
     assert divergence_steps(history) == [4, 9]
+
+
+def test_notices_are_said_once_and_by_rank_0_only(monkeypatch, caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_fedshard"):
+        for rank in ("1", "0", "0"):
+            monkeypatch.setenv("RANK", rank)
+            notices.notice("turning on %s on rank %s", "FSDP2", "0" if rank == "0" else "other")
+    assert caplog.text.count("hf_fedshard: turning on FSDP2 on rank 0") == 1
+    assert "rank other" not in caplog.text
