@@ -12,9 +12,9 @@ first among the bases so that its `__post_init__` adjusts the settings before th
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -24,15 +24,9 @@ from transformers.trainer_utils import IntervalStrategy
 from .codec import SYNC_DTYPES
 from .errors import ConfigError
 from .mesh import FederationLayout
+from .notices import notice as _notice
 from .outer import NESTEROV_DEFAULTS, OUTER_OPTIMIZERS, outer_hyperparameters
-
-logger = logging.getLogger(__name__)
-
-
-def _notice(message: str, *args: object) -> None:
-    """A setting hf_fedshard changed for the user: said once (by rank 0), visible at the default log level."""
-    if os.environ.get("RANK", "0") == "0":
-        logger.warning("hf_fedshard: " + message, *args)
+from .timeouts import start_world_process_group
 
 
 def _env_flag(name: str) -> bool:
@@ -74,8 +68,9 @@ class FedShardArgumentsMixin:
 
     Fault tolerance (docs/fault_tolerance.md):
         fed_timeout_s (`float`, *optional*): seconds an averaging waits for the other groups before it fails
-            with an error naming this setting. `None` keeps the world's `ddp_timeout` (30 minutes by default).
-        fed_auto_resume (`bool`, defaults to `False`): `train()` resumes from the latest complete checkpoint in
+            with an error naming this setting. `None` uses `ddp_timeout` (30 minutes by default), which bounds
+            every other collective across groups, on CPU too.
+        fed_auto_resume (`bool`, defaults to `False`): `train()` resumes from the newest verifying checkpoint in
             `output_dir` when there is one (and starts afresh otherwise), so that a job restarted by
             `torchrun --max-restarts=N` continues where it stopped. Needs `save_strategy="steps"` or `"epoch"`.
 
@@ -155,7 +150,7 @@ class FedShardArgumentsMixin:
     fed_auto_resume: bool = field(
         default=False,
         metadata={
-            "help": "Resume from the latest complete checkpoint in output_dir if there is one (for torchrun "
+            "help": "Resume from the newest checkpoint in output_dir that verifies, if there is one (for torchrun "
             "--max-restarts): a restarted job continues where it stopped."
         },
     )
@@ -175,8 +170,8 @@ class FedShardArgumentsMixin:
         self._check_outer_settings()
         layout = self.fed_layout  # validates the sizes against WORLD_SIZE before any process group exists
         if layout.federated and 0 < self.max_steps < self.fed_sync_steps:
-            logger.warning(
-                "hf_fedshard: max_steps=%d < fed_sync_steps=%d: no averaging happens before the final one after "
+            _notice(
+                "max_steps=%d < fed_sync_steps=%d: no averaging happens before the final one after "
                 "step %d. Lower --fed_sync_steps or raise --max_steps.",
                 self.max_steps,
                 self.fed_sync_steps,
@@ -203,6 +198,17 @@ class FedShardArgumentsMixin:
                 if layout.federated
                 else "with one federation group",
             )
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        # Transformers' use_cpu set-up leaves ddp_timeout out of the world process group: create it first.
+        start_world_process_group(self)
+        return super()._setup_devices
+
+    @property
+    def fed_exchange_timeout_s(self) -> float:
+        """Seconds an averaging waits for the other groups: ``fed_timeout_s``, else ``ddp_timeout``."""
+        return self.fed_timeout_s if self.fed_timeout_s is not None else self.ddp_timeout
 
     def _check_outer_settings(self) -> None:
         """The outer optimizer and wire dtype: one line each, before any process group exists."""

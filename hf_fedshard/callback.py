@@ -110,6 +110,7 @@ class FedAvgCallback(TrainerCallback):
         self.total_sync_seconds = 0.0
         self.diverged_groups = 0
         self._last_synced_step = 0
+        self._diverged_at_step: int | None = None
         self._output_dir: str | None = None
 
     def metrics(self) -> dict[str, float]:
@@ -247,6 +248,7 @@ class FedAvgCallback(TrainerCallback):
     ) -> None:
         """Count the diverged groups; theirs took the others' average, and their moments go too."""
         self.diverged_groups += len(diverged)
+        self._diverged_at_step = step
         if mine_diverged and optimizer is not None and not self.average_optimizer_state:
             reset_optimizer_state(optimizer)
         if get_rank() == 0:
@@ -331,6 +333,10 @@ class FedAvgCallback(TrainerCallback):
         due = state.global_step % self.sync_steps == 0
         evaluating = control.should_evaluate or _epoch_evaluation_follows(args, state, control)
         self._sync_if_needed(model, optimizer, state.global_step, due, evaluating, control.should_training_stop)
+        if self._diverged_at_step == state.global_step:
+            control.should_log = (
+                True  # a log at the divergence's step: Trainer's logging_nan_inf_filter hides NaN losses
+            )
 
     def on_epoch_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._sync_if_needed(model, optimizer, state.global_step, False, False, control.should_training_stop)

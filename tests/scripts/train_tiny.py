@@ -13,6 +13,7 @@ job restarted by ``torchrun --max-restarts`` runs clean:
 
     --kill_at_step 5 --fault_rank 1            SIGKILL rank 1 as step 5 begins
     --kill_while_saving_step 4 --fault_rank 1  SIGKILL rank 1 after it wrote its shards of checkpoint-4
+    --stop_at_step 5 --fault_rank 3            SIGSTOP rank 3 as step 5 begins (prints "stopping at <time>" first)
     --sleep_group 1 --sleep_at_step 2          group 1 sleeps --sleep_s seconds as step 2 begins
     --nan_at 3:1 5:0,1                         a NaN in group 1's first shard after step 3, in both after 5
 """
@@ -51,6 +52,7 @@ class ScriptArguments:
     )
     fault_rank: int = field(default=1, metadata={"help": "Rank that --kill_* faults kill."})
     kill_at_step: int | None = field(default=None, metadata={"help": "SIGKILL fault_rank as this step begins."})
+    stop_at_step: int | None = field(default=None, metadata={"help": "SIGSTOP fault_rank as this step begins."})
     kill_while_saving_step: int | None = field(
         default=None, metadata={"help": "SIGKILL fault_rank after it wrote its shards of this checkpoint."}
     )
@@ -137,6 +139,9 @@ class Faults(TrainerCallback):
             return
         if step == self.script.kill_at_step and self.rank == self.script.fault_rank:
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == self.script.stop_at_step and self.rank == self.script.fault_rank:
+            print(f"rank {self.rank} stopping at {time.time()}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         if step == self.script.sleep_at_step and self.group == self.script.sleep_group:
             time.sleep(self.script.sleep_s)
 
