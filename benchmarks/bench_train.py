@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         trainer.add_callback(SyncStamp(recorder))
         if not bench.no_averaging:
             trainer.add_callback(averaging)
+        elif averaging is trainer.fed_callback:
+            trainer.fed_callback = None  # the ideal never averages, not even temporarily for an evaluation
     trainer.add_callback(recorder)
     trainer.train()
     fed = trainer.fed_callback.metrics() if trainer.fed_callback is not None and not bench.no_averaging else {}

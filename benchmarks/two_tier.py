@@ -35,10 +35,11 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
 
 from benchmarks import report  # noqa: E402
 from benchmarks.netns import Cluster, handle_termination  # noqa: E402
+from benchmarks.report import VARIANTS, base_method  # noqa: E402
 
 DATA_CACHE = Path.home() / ".cache" / "hf_fedshard" / "benchmark-data"
 QUICK_METHODS = ("FSDP", "HSDP", "FL+FSDP", "ideal")
-FULL_METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal", "LocalSGD")
+FULL_METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal", "LocalSGD", *VARIANTS)
 THREE_TIER_METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal")
 # Three-tier defaults: the slow tier keeps the two-tier benchmark's 100 Mbit/s, so the two compare; a rack's node
 # links are 10× faster, a tapered network in which a rack's uplink carries a tenth of what one node can send, as
@@ -96,7 +97,9 @@ class BenchConfig:
             raise ValueError(f"--methods {sorted(unknown)} unknown; choose from {', '.join(FULL_METHODS)}.")
         if self.racks < 1 or self.nodes % self.racks:
             raise ValueError(f"--racks={self.racks} must divide --nodes={self.nodes}.")
-        if "FL+HSDP" in self.methods and (self.nodes % self.fl_hsdp_nodes or self.fl_hsdp_nodes < 2):
+        if any(base_method(m) == "FL+HSDP" for m in self.methods) and (
+            self.nodes % self.fl_hsdp_nodes or self.fl_hsdp_nodes < 2
+        ):
             raise ValueError(
                 f"FL+HSDP puts {self.fl_hsdp_nodes} nodes in a group (a rack with three tiers, else 2): "
                 f"--nodes={self.nodes} must be a multiple of it, and a rack must hold at least 2 nodes."
@@ -111,16 +114,26 @@ class BenchConfig:
 
 
 def method_args(name: str, cfg: BenchConfig) -> list[str]:
-    """The parallelism of each method, as bench_train.py arguments; everything else is shared."""
+    """The parallelism of each method (and a variant's settings), as bench_train.py arguments."""
     r, h = cfg.ranks_per_node, str(cfg.sync_steps)
+    variant = VARIANTS[name][1] if name in VARIANTS else []
+    unsplit = ["--fed_split_exchange", "false"]  # FL+HSDP as before the split; "FL+HSDP split" turns it on
     return {
         "FSDP": ["--fsdp"],
         "HSDP": ["--fed_shard_size", str(r)],
         "FL+FSDP": ["--fed_group_size", str(r), "--fed_sync_steps", h],
-        "FL+HSDP": ["--fed_group_size", str(cfg.fl_hsdp_nodes * r), "--fed_shard_size", str(r), "--fed_sync_steps", h],
+        "FL+HSDP": [
+            "--fed_group_size",
+            str(cfg.fl_hsdp_nodes * r),
+            "--fed_shard_size",
+            str(r),
+            "--fed_sync_steps",
+            h,
+            *unsplit,
+        ],
         "ideal": ["--fed_group_size", str(r), "--no_averaging", "true"],
         "LocalSGD": ["--use_cpu", "true", "--local_sgd_steps", h],
-    }[name]
+    }[base_method(name)] + variant
 
 
 def shared_args(cfg: BenchConfig) -> list[str]:
@@ -159,7 +172,7 @@ def prepare_data(cfg: BenchConfig, cache: Path) -> Path:
 
 def run_method(cluster: Cluster, name: str, cfg: BenchConfig, data: Path, work: Path, port: int) -> list[dict]:
     """Train ``name`` on the cluster; return every rank's record."""
-    run_dir = work / name.replace("+", "_")
+    run_dir = work / name.replace("+", "_").replace(" ", "_")
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     args = ["--data_dir", str(data), "--record_dir", str(run_dir / "records"), "--output_dir", str(run_dir / "out"),

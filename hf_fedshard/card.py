@@ -1,23 +1,29 @@
-"""The Hub model card of a run: metadata with the eval perplexity, a results table, training curves.
+"""hf_fedshard's part of a run's Hub model card: a section, tags, the eval perplexity, training curves.
 
-Built with `huggingface_hub` (`ModelCardData`, `EvalResult`, `ModelCard.from_template`) from the trainer's
-own records (`state.log_history`, the federation counters), so the card shows measured figures only.
+The card is the trainer's own (`Trainer.create_model_card`: hyperparameters, results table, framework versions;
+or a subclass's, such as TRL's), loaded back with `huggingface_hub.ModelCard` and extended: the eval perplexity
+joins `model-index`, and a section rendered from ``templates/card_section.md`` describes the federation where
+there was one, and what the run really was otherwise. Every figure comes from the trainer's own records
+(`state.log_history`, the federation counters).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from huggingface_hub import EvalResult, ModelCard, ModelCardData
-from transformers import TrainerCallback
+from huggingface_hub import EvalResult, ModelCard
+from transformers import TrainerCallback, TrainerState
 
 if TYPE_CHECKING:
     from .trainer import FedShardTrainer
 
-TEMPLATE = Path(__file__).parent / "templates" / "modelcard.md"
+TEMPLATE = Path(__file__).parent / "templates" / "card_section.md"
 PLOT_NAME = "training_curves.png"
+CARD_EXTRAS = ("tokens_per_sample", "command")  # create_model_card keywords for hf_fedshard's section only
 PAPER_TITLE = "Accelerating Sharded Data Parallelism at Scale with Federated Learning"
 PAPER_BIBTEX = """@inproceedings{fedshard2026,
   title     = {Accelerating Sharded Data Parallelism at Scale with Federated Learning},
@@ -50,6 +56,17 @@ class TrainingClock(TrainerCallback):
             state.log_history[-1][WALL_SECONDS] = round(elapsed, 3)
 
 
+@contextlib.contextmanager
+def clock_hidden(state: TrainerState) -> Iterator[None]:
+    """Trainer's card turns every key of `log_history` into a results column: hide the clock's stamps from it."""
+    history = state.log_history
+    state.log_history = [{k: v for k, v in entry.items() if k != WALL_SECONDS} for entry in history]
+    try:
+        yield
+    finally:
+        state.log_history = history
+
+
 def wall_seconds(history: list[dict]) -> dict[int, float]:
     """Seconds at which each step was first logged: an evaluation's own duration is not charged to its point."""
     seconds: dict[int, float] = {}
@@ -59,25 +76,54 @@ def wall_seconds(history: list[dict]) -> dict[int, float]:
     return seconds
 
 
+def divergence_steps(history: list[dict]) -> list[int]:
+    """Steps at which groups diverged: where the logged ``fed_diverged_groups`` rises (NaN losses are not logged)."""
+    steps, count = [], 0
+    for entry in history:
+        if entry.get("fed_diverged_groups", count) > count:
+            steps.append(entry["step"])
+            count = entry["fed_diverged_groups"]
+    return steps
+
+
 def _last(history: list[dict], key: str) -> dict:
     return next((entry for entry in reversed(history) if key in entry), {})
 
 
+def setup_description(trainer: FedShardTrainer) -> str:
+    """What the run really was, in a few words: the method with a federation, the plain set-up without one."""
+    layout, world = trainer.fed_layout, trainer.args.world_size
+    if layout.federated:
+        return layout.method
+    if trainer.is_fsdp_enabled and layout.replicas > 1:
+        return f"HSDP (FSDP2, {layout.replicas} replicas × {layout.shard_size} shards) over {world} ranks"
+    if trainer.is_fsdp_enabled:
+        return f"FSDP2 over {world} rank{'s' if world > 1 else ''}"
+    return f"data parallel (DDP) over {world} ranks, no FSDP" if world > 1 else "one process, no FSDP"
+
+
 def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> list[tuple[str, str]]:
-    """(quantity, value) rows of the card's results table, all read from the run's own records."""
+    """(quantity, value) rows of the card's results table, all read from the run's own records.
+
+    The federation rows (groups, H, inter-group traffic) only where there was a federation.
+    """
     args, layout, history = trainer.args, trainer.fed_layout, trainer.state.log_history
     group_batch = args.per_device_train_batch_size * layout.group_size * args.gradient_accumulation_steps
     samples_seen = trainer.state.global_step * group_batch * layout.num_groups
     train, evaluation, fed = _last(history, "train_runtime"), _last(history, "eval_loss"), _last(history, "fed_syncs")
     tokens = f" ({group_batch * tokens_per_sample:,} tokens)" if tokens_per_sample else ""
-    rows = [
-        ("Method", layout.method),
-        ("World size (ranks)", str(layout.world_size)),
-        ("Federation groups", str(layout.num_groups)),
-        ("Group size (ranks)", str(layout.group_size)),
-        ("Shard size (ranks)", str(layout.shard_size)),
-        ("H (optimizer steps between averagings)", str(args.fed_sync_steps) if layout.federated else "—"),
-        ("Group batch (samples per optimizer step)", f"{group_batch}{tokens}"),
+    rows = [("Method", setup_description(trainer)), ("World size (ranks)", str(layout.world_size))]
+    if layout.federated:
+        rows += [
+            ("Federation groups", str(layout.num_groups)),
+            ("Group size (ranks)", str(layout.group_size)),
+            ("Shard size (ranks)", str(layout.shard_size)),
+            ("H (optimizer steps between averagings)", str(args.fed_sync_steps)),
+            ("Group batch (samples per optimizer step)", f"{group_batch}{tokens}"),
+        ]
+    else:
+        rows.append(("Batch (samples per optimizer step)", f"{group_batch}{tokens}"))
+    rows += [
         ("Optimizer steps", str(trainer.state.global_step)),
         ("Tokens seen (world)", f"{samples_seen * tokens_per_sample:,}" if tokens_per_sample else "—"),
     ]
@@ -93,7 +139,10 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
             share = f" ({fed['fed_sync_seconds_total'] / train['train_runtime']:.1%} of training)" if train else ""
             rows.append(("Time in inter-group averaging (s, rank 0)", f"{fed['fed_sync_seconds_total']:.2f}{share}"))
         if fed.get("fed_diverged_groups"):
-            rows.append(("Diverged groups restarted from the others", str(fed["fed_diverged_groups"])))
+            steps = ", ".join(map(str, divergence_steps(history)))
+            rows.append(
+                ("Diverged groups restarted from the others", f"{fed['fed_diverged_groups']} (at step {steps})")
+            )
     if "train_runtime" in train:
         rows.append(("Training wall time (s)", f"{train['train_runtime']:.1f}"))
     return rows
@@ -146,66 +195,73 @@ def plot_curves(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def build_card(
-    trainer: FedShardTrainer,
-    dataset: str | None = None,
-    tokens_per_sample: int | None = None,
-    command: str | None = None,
-    model_name: str | None = None,
-    language: str | None = "en",
-    license: str | None = None,
-    tags: list[str] | str | None = None,
-    finetuned_from: str | None = None,
-    **_unused: Any,
-) -> ModelCard:
-    """The model card; accepts `Trainer.create_model_card`'s keywords so `push_to_hub` gets the same card."""
-    layout, history = trainer.fed_layout, trainer.state.log_history
-    evaluation = _last(history, "eval_perplexity")
-    method_tag = layout.method.lower().replace("+", "-")
-    extra_tags = [tags] if isinstance(tags, str) else list(tags or [])
-    eval_results = None
-    if evaluation:
-        eval_results = [
-            EvalResult(
-                task_type="text-generation",
-                task_name="Causal language modeling",
-                dataset_type=dataset or "unknown",
-                dataset_name=dataset or "unknown",
-                metric_type="perplexity",
-                metric_name="Perplexity",
-                metric_value=round(evaluation["eval_perplexity"], 4),
-            )
-        ]
-    name = model_name or Path(trainer.args.output_dir).name
-    data = ModelCardData(
-        language=language,
-        license=license,
-        library_name="transformers",
-        tags=["hf_fedshard", method_tag, "federated-averaging", "fsdp2", *extra_tags],
-        datasets=[dataset] if dataset else None,
-        base_model=finetuned_from,
-        model_name=name,
-        eval_results=eval_results,
+def _perplexity_result(trainer: FedShardTrainer, dataset: str | None) -> EvalResult | None:
+    """The last eval perplexity as a `model-index` entry (what the Hub shows as the model's result)."""
+    evaluation = _last(trainer.state.log_history, "eval_perplexity")
+    if not evaluation:
+        return None
+    return EvalResult(
+        task_type="text-generation",
+        task_name="Causal language modeling",
+        dataset_type=dataset or "unknown",
+        dataset_name=dataset or "unknown",
+        metric_type="perplexity",
+        metric_name="Perplexity",
+        metric_value=round(evaluation["eval_perplexity"], 4),
     )
-    return ModelCard.from_template(
-        data,
-        template_path=str(TEMPLATE),
-        model_name=name,
+
+
+def card_section(trainer: FedShardTrainer, tokens_per_sample: int | None = None, command: str | None = None) -> str:
+    """hf_fedshard's section of the card: the federation where there was one, the plain set-up otherwise."""
+    import jinja2
+
+    layout = trainer.fed_layout
+    return jinja2.Template(TEMPLATE.read_text()).render(
+        federated=layout.federated,
         method=layout.method,
         layout=layout.describe(),
-        world_size=layout.world_size,
+        setup=setup_description(trainer),
         rows=results_table(trainer, tokens_per_sample),
         plot=PLOT_NAME,
         command=command,
+        world_size=layout.world_size,
         paper_title=PAPER_TITLE,
         paper_bibtex=PAPER_BIBTEX,
     )
 
 
-def write_card(trainer: FedShardTrainer, **kwargs: Any) -> Path:
-    """Write README.md (the card) and its plot into the output folder; call on the main process only."""
+def extend_card(
+    trainer: FedShardTrainer,
+    dataset: str | None = None,
+    dataset_name: str | None = None,
+    tokens_per_sample: int | None = None,
+    command: str | None = None,
+    **_unused: Any,
+) -> Path:
+    """Add hf_fedshard's section, tags, plot and eval perplexity to the card the trainer just wrote (Trainer's or
+    a subclass's README.md); call on the main process only.
+
+    Args:
+        dataset / dataset_name: the training data's name (`Trainer.create_model_card` / TRL's keyword).
+        tokens_per_sample: tokens in one sample (block size), for the token counts of the results table.
+        command: the script and its arguments, for "How to reproduce".
+    """
     out = Path(trainer.args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    path = out / "README.md"
+    card = ModelCard.load(path)
+    layout = trainer.fed_layout
+    tags = ["hf_fedshard"]
+    if trainer.is_fsdp_enabled:
+        tags.append("fsdp2")
+    if layout.federated:
+        tags += [layout.method.lower().replace("+", "-"), "federated-averaging"]
+    card.data.tags = [*(card.data.tags or []), *(t for t in tags if t not in (card.data.tags or []))]
+    result = _perplexity_result(trainer, dataset or dataset_name)
+    if result is not None:
+        card.data.model_name = card.data.model_name or out.name
+        others = [r for r in card.data.eval_results or [] if r.metric_type != "perplexity"]
+        card.data.eval_results = [*others, result]
     plot_curves(trainer.state.log_history, out / PLOT_NAME)
-    build_card(trainer, **kwargs).save(out / "README.md")
-    return out / "README.md"
+    card.text = card.text.rstrip() + "\n\n" + card_section(trainer, tokens_per_sample, command) + "\n"
+    card.save(path)
+    return path

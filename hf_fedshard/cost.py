@@ -10,7 +10,8 @@ Notation
     U        FSDP units (transformer blocks, input embedding, [final norm, output head]): one collective call each
     b_p      bytes per element of the parameter all-gather (FSDP2's ``param_dtype``)
     b_g      bytes per element of the gradient reduction (FSDP2's ``reduce_dtype``)
-    b_s      bytes per element of FedAvg's all-reduce: 4, since hf_fedshard averages in fp32 whatever the dtype
+    b_s      bytes per element of an averaging's payload (``fed_sync_dtype``, `sync_bytes_per_value`): 4 for
+             float32, 2 for bfloat16, 1 + 4/256 for int8 (values and one fp32 scale per 256)
     W, R     world size, ranks per node
     G, S     group size (``fed_group_size``), shard size (``fed_shard_size``); Q = G / S replicas, F = W / G groups
     H        optimizer steps between two averagings (``fed_sync_steps``)
@@ -34,6 +35,10 @@ Per optimizer step (no gradient accumulation), each rank takes part in three rin
                                            reduce-scatter  b_g · P
     replicate ring (Q ranks, HSDP only)    all-reduce  b_g · P / S                         (the gradient shard)
     fed ring (F ranks, one per group)      all-reduce  b_s · P / S, once every H steps      (FedAvg of the shard)
+
+With the FL+HSDP split exchange (``fed_split_exchange``) each replica sends 1/Q of the shard on the fed ring,
+b_s · P / (S Q), and the replicate ring all-gathers the fp32 mean, 4 · P / S, once every H steps. The averaging's
+all-to-all + all-gather sends what a ring all-reduce of the same wire bytes sends, 2 (F-1)/F of them per rank.
 
 Closed forms for groups that are whole nodes (G = multiple of R, S = R) or the whole world, with RING
 reduce-scatter; A = b_p (2P - P_once), inter-node bytes sent by one node per step (divide by R for one rank):
@@ -74,11 +79,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from .averaging import BUCKET_BYTES
+from .codec import INT8_BLOCK
 from .mesh import FederationLayout
 
 RING = 1.0  # reduce-scatter bytes as a fraction of an all-reduce's (NCCL ring)
 GLOO = 2.0  # torch's gloo reduce_scatter_tensor all-reduces the input: measured by benchmarks/gloo_collectives.py
 FEDAVG_BYTES = 4  # hf_fedshard.averaging accumulates and sends in fp32 (or wider)
+
+
+def sync_bytes_per_value(sync_dtype: str) -> float:
+    """b_s: payload bytes per averaged value for ``fed_sync_dtype`` (int8 carries one fp32 scale per block)."""
+    return {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}[sync_dtype]
 
 
 @dataclass(frozen=True)
@@ -91,8 +102,9 @@ class ModelCost:
         units: U, FSDP units (one collective call each; only the latency term uses it).
         param_bytes: b_p, bytes per element of the all-gather (2 for bf16 ``param_dtype``).
         grad_bytes: b_g, bytes per element of the gradient reduction (4 for fp32 ``reduce_dtype``).
-        sync_bytes: b_s, bytes per element of FedAvg's all-reduce.
+        sync_bytes: b_s, bytes per element of an averaging's payload (`sync_bytes_per_value`).
         reduce_scatter: RING or GLOO (reduce-scatter as an all-reduce).
+        split_exchange: FL+HSDP's replicas each send 1/Q of the shard between groups, then all-gather.
     """
 
     params: int
@@ -100,8 +112,9 @@ class ModelCost:
     units: int
     param_bytes: int = 2
     grad_bytes: int = 4
-    sync_bytes: int = FEDAVG_BYTES
+    sync_bytes: float = FEDAVG_BYTES
     reduce_scatter: float = RING
+    split_exchange: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.once_params <= self.params:
@@ -217,9 +230,14 @@ def step_collectives(model: ModelCost, layout: FederationLayout, sync_steps: int
             Collective("all_reduce", model.grad_bytes * shard_bytes, rings["replicate"], calls=model.units)
         )
     if layout.num_groups > 1 and sync_steps is not None:
-        sync = model.sync_bytes * shard_bytes
-        buckets = max(1, math.ceil(sync / BUCKET_BYTES))
+        split = layout.replicas if model.split_exchange else 1
+        sync = model.sync_bytes * shard_bytes / split
+        buckets = max(1, math.ceil(FEDAVG_BYTES * shard_bytes / BUCKET_BYTES))
         collectives.append(Collective("all_reduce", sync, rings["fed"], per_step=1 / sync_steps, calls=buckets))
+        if split > 1:  # the replicas' fp32 means, all-gathered inside the group
+            collectives.append(
+                Collective("all_gather", FEDAVG_BYTES * shard_bytes, rings["replicate"], 1 / sync_steps, buckets)
+            )
     return collectives
 
 

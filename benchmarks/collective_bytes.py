@@ -1,0 +1,89 @@
+"""Bytes that a rank hands to collectives spanning several federation groups, per optimizer step.
+
+On a real cluster those collectives cross the slow tier between groups. The counter wraps the
+``torch.distributed`` functions that Trainer, Accelerate, TRL and hf_fedshard call (and the all-reduce that
+``hf_fedshard.averaging`` imports by name), so it sees every collective issued from Python; FSDP2's own
+collectives run inside the group and are not counted. A collective's bytes are those of this rank's input
+tensor (for ``all_gather_object``, its pickle), the payload it contributes.
+
+Used by ``tests/scripts/train_sft.py`` (``--count_cross_group_bytes``) to measure the SFT path.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import pickle
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+import hf_fedshard.averaging
+
+# Each wrapped function and the name of its argument holding this rank's contribution.
+_COLLECTIVES = {
+    "all_reduce": "tensor",
+    "all_gather": "tensor",
+    "all_gather_into_tensor": "input_tensor",
+    "reduce_scatter_tensor": "input",
+    "broadcast": "tensor",
+    "all_gather_object": "obj",
+}
+
+
+def _payload_bytes(data: Any) -> int:
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    if isinstance(data, (list, tuple)):
+        return sum(_payload_bytes(d) for d in data)
+    return len(pickle.dumps(data))
+
+
+class CrossGroupBytes(TrainerCallback):
+    """Counts, per optimizer step, the bytes this rank hands to collectives over ranks of several groups.
+
+    A step's window runs from its ``on_step_begin`` to the next one, so it includes the averaging at its end and
+    the logging that follows it. Install with :meth:`install` before training; :meth:`uninstall` restores.
+    """
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self.per_step: dict[int, int] = defaultdict(int)
+        self.step = 0
+        self._originals: list[tuple[Any, str, Callable]] = []
+
+    def _spans_groups(self, group: Any) -> bool:
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        return len({rank // self.group_size for rank in ranks}) > 1
+
+    def _wrap(self, fn: Callable, payload: str) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs).arguments
+            if self._spans_groups(bound.get("group")):
+                self.per_step[self.step] += _payload_bytes(bound[payload])
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def install(self) -> CrossGroupBytes:
+        targets = [(dist, name) for name in _COLLECTIVES] + [(hf_fedshard.averaging, "all_reduce")]
+        for module, name in targets:
+            original = getattr(module, name)
+            self._originals.append((module, name, original))
+            setattr(module, name, self._wrap(original, _COLLECTIVES[name]))
+        return self
+
+    def uninstall(self) -> None:
+        for module, name, original in reversed(self._originals):
+            setattr(module, name, original)
+        self._originals.clear()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step + 1

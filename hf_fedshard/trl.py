@@ -1,0 +1,83 @@
+"""TRL's supervised fine-tuning under FL+FSDP / FL+HSDP: `FedShardSFTTrainer` and `FedShardSFTConfig`.
+
+Needs TRL (``pip install "hf_fedshard[trl]"``). The classes compose TRL's with hf_fedshard's mixins, in the order
+`FedShardMixin` documents: TRL's overrides run first and reach the federation through ``super()``::
+
+    FedShardSFTTrainer -> SFTTrainer -> _BaseTrainer -> FedShardMixin -> Trainer
+    FedShardSFTConfig  -> FedShardArgumentsMixin -> SFTConfig -> ... -> TrainingArguments
+
+So `SFTTrainer.log` adds its metrics, `SFTTrainer._save_checkpoint` writes its card and then the federated
+checkpoint is written, and `SFTTrainer.compute_loss` runs inside hf_fedshard's `training_step`, which keeps its
+per-step metric gathers inside the group (see `hf_fedshard.group_gather`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import TrainingArguments
+
+try:
+    from trl import SFTConfig, SFTTrainer
+except ImportError as err:  # an optional extra: say how to get it
+    raise ImportError(
+        'hf_fedshard.trl needs TRL, which is not installed. Install it with: pip install "hf_fedshard[trl]" '
+        "(or pip install trl)."
+    ) from err
+
+from .arguments import FedShardArgumentsMixin
+from .trainer import FedShardMixin
+
+# SFTTrainer's per-step training metrics: the groups' values are averaged, except token counts, which add up.
+_SUMMED_METRICS = ("num_tokens",)
+
+
+@dataclass
+class FedShardSFTConfig(FedShardArgumentsMixin, SFTConfig):
+    """`trl.SFTConfig` plus the federation settings of `FedShardArgumentsMixin` (the `fed_*` fields).
+
+    SFTConfig's own defaults hold (`bf16=True` unless `fp16`: turn it off on CPUs without bf16 support).
+    """
+
+
+class FedShardSFTTrainer(SFTTrainer, FedShardMixin):
+    """`trl.SFTTrainer` with FL+FSDP / FL+HSDP: same constructor (model as a Hub id or a model, `peft_config`...).
+
+    With a `peft_config`, only the adapter's parameters are trainable, so only they are averaged across groups.
+    SFTTrainer's training metrics (`mean_token_accuracy`, `entropy`, `num_tokens`) are gathered over the group at
+    every step and combined over the groups at logging steps only: `num_tokens` counts the world's tokens, the
+    others are the mean of the groups' values (the world's mean when the groups train on equally many tokens).
+    """
+
+    def __init__(self, model: Any, args: TrainingArguments | None = None, *pos: Any, **kwargs: Any) -> None:
+        # SFTTrainer rebuilds any other arguments as a plain SFTConfig, which would drop the fed_* fields.
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            args = FedShardSFTConfig(output_dir=f"{name.split('/')[-1]}-SFT")
+        elif not isinstance(args, FedShardSFTConfig):
+            args = FedShardSFTConfig(**{**args.to_dict(), "hub_token": args.hub_token})
+        super().__init__(model, args, *pos, **kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # Combine the groups' training metrics once per log (SFTTrainer.log averages them next).
+        if self.fed_callback is not None and self.model.training and self._metrics["train"]:
+            self._combine_group_metrics(self._metrics["train"])
+        super().log(logs, start_time)
+
+    def _combine_group_metrics(self, metrics: dict[str, list[float]]) -> None:
+        """One all-reduce along the fed axis: sums of token counts, means of the other per-step values."""
+        keys = sorted(metrics)
+        flat = torch.tensor([v for k in keys for v in metrics[k]], dtype=torch.float64)
+        dist.all_reduce(flat, group=self.fed_callback.fed_group)
+        values = iter(flat.tolist())
+        for key in keys:
+            scale = 1 if key in _SUMMED_METRICS else self.fed_layout.num_groups
+            metrics[key] = [next(values) / scale for _ in metrics[key]]
+
+    def create_model_card(self, **kwargs: Any) -> None:
+        # SFTTrainer writes TRL's card without calling super(): add hf_fedshard's section to it here.
+        super().create_model_card(**self._remember_card_kwargs(kwargs))
+        self._extend_model_card()

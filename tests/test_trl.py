@@ -1,0 +1,145 @@
+"""hf_fedshard with TRL's SFTTrainer and with a user's own Trainer subclass.
+
+Fast in-process checks of the composition (base order, overrides that still run, the ImportError without TRL),
+and multi-process gloo runs of FedShardSFTTrainer next to SFTTrainer (tests/scripts/train_sft.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+
+import pytest
+import torch
+from transformers import Trainer
+
+from hf_fedshard import FedShardMixin, FedShardTrainingArguments
+
+from .launch import SCRIPTS, SGD, torchrun
+from .scripts.train_tiny import TokenDataset, tiny_llama
+
+pytest.importorskip("trl")
+
+SFT_SGD = [*SGD, "--bf16", "false"]  # SFTConfig turns bf16 on by default; DDP equality needs fp32 everywhere
+
+
+class CountingTrainer(Trainer):
+    """A user's own Trainer subclass that overrides compute_loss."""
+
+    calls = 0
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        self.calls += 1
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+class FedCountingTrainer(CountingTrainer, FedShardMixin):
+    """The one line that gives the user's trainer the federation."""
+
+
+def test_mixin_composes_with_a_subclass_that_overrides_compute_loss(tmp_path):
+    assert FedCountingTrainer.__mro__[:4] == (FedCountingTrainer, CountingTrainer, FedShardMixin, Trainer)
+    args = FedShardTrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, logging_steps=1, report_to="none",
+        disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+    trainer = FedCountingTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(8))
+    trainer.train()
+    assert trainer.calls == 2  # the subclass's override ran at every step
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs and all(h["perplexity"] == pytest.approx(math.exp(h["loss"])) for h in logs)  # and the mixin's
+
+
+def test_sft_trainer_base_order_keeps_trl_overrides_first():
+    from trl import SFTTrainer
+
+    from hf_fedshard.trl import FedShardSFTConfig, FedShardSFTTrainer
+
+    mro = FedShardSFTTrainer.__mro__
+    assert mro.index(SFTTrainer) < mro.index(FedShardMixin) < mro.index(Trainer)
+    for method in ("_save_checkpoint", "compute_loss", "training_step"):  # TRL's own, reaching the mixin by super()
+        assert getattr(FedShardSFTTrainer, method) is getattr(SFTTrainer, method)
+    assert FedShardSFTConfig.__mro__[1].__name__ == "FedShardArgumentsMixin"
+
+
+def test_clear_import_error_without_trl(monkeypatch):
+    monkeypatch.setitem(sys.modules, "trl", None)  # import trl now raises ImportError
+    monkeypatch.delitem(sys.modules, "hf_fedshard.trl", raising=False)
+    with pytest.raises(ImportError, match=r'pip install "hf_fedshard\[trl\]"'):
+        importlib.import_module("hf_fedshard.trl")
+
+
+def run_sft(nproc: int, out, args: list[str], timeout_s: float = 300) -> list[dict]:
+    dump = out / "dump"
+    result = torchrun(nproc, SCRIPTS / "train_sft.py",
+                      ["--output_dir", out, "--dump_dir", dump, *SFT_SGD, *args], timeout_s)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-6000:]
+    return [torch.load(dump / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def sft_exactness(tmp_path_factory):
+    """FedShardSFTTrainer (2 groups × 2 ranks, H=1) next to SFTTrainer under DDP on the same 4 ranks."""
+    steps = ["--max_steps", "3"]
+    fed = run_sft(4, tmp_path_factory.mktemp("sft_fed"), ["--fed_group_size", "2", "--fed_sync_steps", "1", *steps])
+    ddp = run_sft(4, tmp_path_factory.mktemp("sft_ddp"), ["--trainer", "plain", "--use_cpu", "true", *steps])
+    return fed, ddp
+
+
+@pytest.fixture(scope="module")
+def sft_lora(tmp_path_factory):
+    """LoRA through SFTTrainer's peft_config: 2 groups × 2 ranks, H=4, logs every 4 steps, a checkpoint at step 4."""
+    out = tmp_path_factory.mktemp("sft_lora")
+    args = ["--use_peft", "true", "--fed_group_size", "2", "--fed_sync_steps", "4", "--max_steps", "4",
+            "--logging_steps", "4", "--save_strategy", "steps", "--save_steps", "4"]  # fmt: skip
+    return out, run_sft(4, out, args)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fed_sft_with_h1_equals_sft_trainer_under_ddp(sft_exactness):
+    fed, ddp = sft_exactness
+    assert fed[0]["mro"][:2] == ["FedShardSFTTrainer", "SFTTrainer"]
+    assert fed[0]["full_params"].keys() == ddp[0]["full_params"].keys()
+    for name, value in fed[0]["full_params"].items():
+        torch.testing.assert_close(value, ddp[0]["full_params"][name], atol=1e-5, rtol=1e-5, msg=name)
+    assert fed[0]["eval"]["eval_loss"] == pytest.approx(ddp[0]["eval"]["eval_loss"], abs=1e-5)
+    for run in (fed, ddp):  # SFTTrainer's own log still runs, and counts the world's tokens
+        logs = [h for h in run[0]["log_history"] if "loss" in h]
+        assert [h["num_tokens"] for h in logs] == [4 * 2 * 16 * h["step"] for h in logs]
+        assert all(0 <= h["mean_token_accuracy"] <= 1 for h in logs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sft_metric_gathers_stay_inside_the_group(sft_exactness, sft_lora):
+    _, ddp = sft_exactness
+    _, lora = sft_lora
+    # Stock SFTTrainer gathers its metrics over the world at every step...
+    assert all(ddp[0]["cross_group_bytes"].get(step, 0) > 0 for step in (1, 2, 3))
+    # ...FedShardSFTTrainer over the group: nothing crosses groups between averagings and logs (H = logging = 4).
+    for rank in lora:
+        assert [rank["cross_group_bytes"].get(step, 0) for step in (1, 2, 3)] == [0, 0, 0]
+        assert rank["cross_group_bytes"][4] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lora_through_sft_averages_only_the_adapter(sft_lora):
+    out, lora = sft_lora
+    for rank in lora:
+        assert rank["trainable"] and all("lora_" in name for name in rank["trainable"])
+        adapter_bytes = sum(rank["local_params"][n].numel() * 4 for n in rank["trainable"])
+        (last,) = [h for h in rank["log_history"] if "fed_syncs" in h][-1:]
+        assert last["fed_inter_group_bytes"] == last["fed_syncs"] * adapter_bytes
+        for name, value in rank["full_params"].items():  # the frozen base model never moved
+            if name not in rank["trainable"]:
+                base = name.replace("base_model.model.", "").replace(".base_layer", "")
+                torch.testing.assert_close(value, rank["initial_params"][base], atol=0, rtol=0, msg=name)
+    for a, b in [(0, 2), (1, 3)]:  # groups hold the same adapter after the final averaging
+        for name in lora[a]["trainable"]:
+            torch.testing.assert_close(lora[a]["local_params"][name], lora[b]["local_params"][name], atol=0, rtol=0)
+    card = (out / "README.md").read_text()  # SFTTrainer's checkpoint-time card, with hf_fedshard's section
+    assert (out / "checkpoint-4").is_dir()
+    assert "TRL" in card and "## Training with hf_fedshard" in card and "| Federation groups | 2 |" in card
