@@ -12,14 +12,18 @@ ideal (FL+FSDP whose `FedAvgCallback` is removed: groups never average), and Acc
 gradient sync off and a whole-world parameter average every ``--local_sgd_steps`` steps).
 
 `StepRecorder` stamps every optimizer step (start, end, after the FedAvg callback) and reads the node's uplink
-byte counters at both ends on the node's first rank, so that evaluations and logging are left out of the step
-times and of the bytes. Each rank writes ``rank<R>.json`` into ``--record_dir``.
+byte counters at both ends on the node's first rank (and, on a three-tier cluster, its rack's trunk counters on
+the first rank of the rack's first node), so that evaluations and logging are left out of the step times and of
+the bytes. Each rank also records its resident memory before the model is built and its peak (``VmHWM``): their
+difference is what the model, its gradients, optimizer state and training added. Each rank writes
+``rank<R>.json`` into ``--record_dir``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,7 +33,7 @@ from accelerate.local_sgd import LocalSGD
 from datasets import disable_progress_bars, load_from_disk
 from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback, default_data_collator, set_seed
 
-from benchmarks.netns import UPLINK
+from benchmarks.netns import RACK_NETNS_ENV, TRUNK, UPLINK
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
 from hf_fedshard.models import PRESETS, build_model
 
@@ -52,6 +56,22 @@ def uplink_bytes() -> dict[str, int]:
     return {name: int((UPLINK_STATS / name).read_text()) for name in ("tx_bytes", "rx_bytes")}
 
 
+def rack_bytes(namespace: str) -> dict[str, int]:
+    """The rack trunk's counters, read in the rack switch's namespace (no rank runs there): ``rack_tx_bytes``..."""
+    stats = f"/sys/class/net/{TRUNK}/statistics"
+    cmd = ["ip", "netns", "exec", namespace, "cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"]
+    tx, rx = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30).stdout.split()
+    return {"rack_tx_bytes": int(tx), "rack_rx_bytes": int(rx)}
+
+
+def memory_kib(field_name: str) -> int:
+    """A line of /proc/self/status in KiB: ``VmRSS`` (resident now) or ``VmHWM`` (peak resident)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field_name}:"):
+            return int(line.split()[1])
+    raise KeyError(field_name)
+
+
 class StepRecorder(TrainerCallback):
     """Wall-clock and byte counters of each optimizer step; added last, so it runs after the averaging callback.
 
@@ -61,8 +81,9 @@ class StepRecorder(TrainerCallback):
     last bytes it sent may still sit in the socket and qdisc queues. The clock is read before that wait.
     """
 
-    def __init__(self, read_counters: bool) -> None:
+    def __init__(self, read_counters: bool, rack_namespace: str | None = None) -> None:
         self.read_counters = read_counters
+        self.rack_namespace = rack_namespace
         self.steps: list[dict] = []
         self.evals: list[dict] = []
         self.paused_s = 0.0  # evaluation and logging time, left out of the training clock
@@ -71,16 +92,21 @@ class StepRecorder(TrainerCallback):
         self._begin_s = 0.0
         self.sync_begin: dict = {}
 
+    def _read(self) -> dict[str, int]:
+        return {**uplink_bytes(), **(rack_bytes(self.rack_namespace) if self.rack_namespace else {})}
+
     def counters(self, drain: bool = False) -> dict[str, int]:
-        """The uplink's counters; with ``drain``, once ``tx_bytes`` has not moved for 30 ms (at most 2 s)."""
+        """The uplink's (and rack trunk's) counters; with ``drain``, once no ``tx`` count has moved for 30 ms
+        (at most 2 s)."""
         if not self.read_counters:
             return {}
-        current = uplink_bytes()
+        current = self._read()
         deadline, still = time.perf_counter() + 2.0, 0
         while drain and still < 3 and time.perf_counter() < deadline:
             time.sleep(0.01)
-            latest = uplink_bytes()
-            still = still + 1 if latest.get("tx_bytes") == current.get("tx_bytes") else 0
+            latest = self._read()
+            moved = any(latest.get(key) != current.get(key) for key in ("tx_bytes", "rack_tx_bytes"))
+            still = 0 if moved else still + 1
             current = latest
         return current
 
@@ -100,7 +126,7 @@ class StepRecorder(TrainerCallback):
         sync = self.sync_begin or end
         record = {"step": state.global_step, "begin_s": self._begin_s, "end_s": now,
                   "train_clock_s": now - self.paused_s, "sync_s": now - sync["t"]}  # fmt: skip
-        for key in ("tx_bytes", "rx_bytes"):
+        for key in ("tx_bytes", "rx_bytes", "rack_tx_bytes", "rack_rx_bytes"):
             if key in end:
                 record[key] = end[key] - self._mark[key]
                 record[f"sync_{key}"] = end[key] - sync[key]
@@ -148,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     data = load_from_disk(os.path.join(bench.data_dir, "blocks"))
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(bench.data_dir, "tokenizer"))
     set_seed(args.seed)
+    rss_before_model_kib = memory_kib("VmRSS")
     model = build_model(bench.model_size, len(tokenizer), len(data["train"][0]["input_ids"]))
     params = sum(p.numel() for p in model.parameters())
     # Accelerate's FSDP2 keeps the [final norm, output head] unit unsharded after forward: gathered once per step.
@@ -160,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         processing_class=tokenizer,
         data_collator=default_data_collator,
     )
-    recorder = StepRecorder(read_counters=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+    first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    recorder = StepRecorder(first_on_node, os.environ.get(RACK_NETNS_ENV) if first_on_node else None)
     averaging = LocalSGDCallback(trainer, bench.local_sgd_steps) if bench.local_sgd_steps else trainer.fed_callback
     if averaging is not None:  # (re-)added after the stamp, so the stamp runs right before it
         if averaging is trainer.fed_callback:
@@ -168,12 +196,17 @@ def main(argv: list[str] | None = None) -> None:
         trainer.add_callback(SyncStamp(recorder))
         if not bench.no_averaging:
             trainer.add_callback(averaging)
+        elif averaging is trainer.fed_callback:
+            trainer.fed_callback = None  # the ideal never averages, not even temporarily for an evaluation
     trainer.add_callback(recorder)
     trainer.train()
     fed = trainer.fed_callback.metrics() if trainer.fed_callback is not None and not bench.no_averaging else {}
     record = {
         "rank": args.process_index,
         "node": int(os.environ.get("GROUP_RANK", "0")),
+        "reads_rack": recorder.rack_namespace is not None,
+        "rss_before_model_bytes": rss_before_model_kib * 1024,
+        "peak_rss_bytes": memory_kib("VmHWM") * 1024,
         "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
         "method": trainer.fed_layout.method if args.fed_requested else ("LocalSGD" if bench.local_sgd_steps else "—"),
         "params": params,

@@ -1,15 +1,22 @@
-"""An emulated two-tier cluster on one Linux machine: a network namespace per node, rate-limited links between.
+"""An emulated two- or three-tier cluster on one Linux machine: a network namespace per node, rate-limited links.
 
 Topology, all inside namespaces this module creates (nothing is added to the host's own network)::
 
-    node i   namespace fsb<pid>n<i>: lo, and "uplink" (10.213.0.<i+1>/24) with a tbf qdisc at the link rate
-    switch   namespace fsb<pid>sw:  bridge "br0" whose ports "port<i>" each have a tbf qdisc at the link rate
+    node i   namespace fsb<pid>n<i>:   lo, and "uplink" (10.213.0.<i+1>/24) with a tbf qdisc at the node rate
+    rack r   namespace fsb<pid>sw<r>:  bridge "br0" whose ports "port<i>" (one per node of the rack) each have a
+                                       tbf qdisc at the node rate, and (three tiers) "trunk" at the rack rate
+    core     namespace fsb<pid>core:   (three tiers only) bridge "br0" whose ports "rack<r>" have a tbf qdisc at
+                                       the rack rate
 
-Each veth pair (uplink of node i <-> port<i> of the switch) is a full-duplex link of ``rate_mbit`` in each
-direction: the node's uplink shapes what the node sends, the switch port what it receives. Ranks of one node
-talk through their namespace's own stack and never touch the veth (the fast tier); ranks of different nodes
-cross two shaped veths (the slow tier). Byte counters of each uplink (``/sys/class/net/uplink/statistics``)
-are the inter-node traffic of that node.
+Each veth pair (uplink of node i <-> port<i> of its rack's switch) is a full-duplex link of ``rate_mbit`` in
+each direction: the node's uplink shapes what the node sends, the switch port what it receives. With more than
+one rack, each rack's switch reaches the core switch through a veth pair (trunk <-> rack<r>) of
+``rack_rate_mbit`` each way. All nodes share one subnet; the bridges forward between them.
+
+Tiers: ranks of one node talk through their namespace's own stack and never touch a veth (the fast tier);
+ranks of different nodes of a rack cross two node links; ranks of different racks cross two node links and
+two rack links (the slowest tier). Byte counters: a node's uplink (``/sys/class/net/uplink/statistics`` in its
+namespace) counts all it sends to other nodes; a rack's trunk counts all that rack sends to other racks.
 
 Token-bucket size: ``tc-tbf(8)`` says the burst must be at least rate / HZ, or the qdisc cannot reach its
 rate; we use 10 ms of traffic (right for any HZ >= 100). ``netem`` (delay, loss) is not available here.
@@ -34,9 +41,11 @@ from pathlib import Path
 
 SUBNET = "10.213.0"
 UPLINK = "uplink"
+TRUNK = "trunk"  # a rack's link to the core switch, in the rack switch's namespace
+RACK_NETNS_ENV = "FEDSHARD_RACK_NETNS"  # set for the first node of each rack: where its rack's trunk lives
 BURST_S = 0.010  # token bucket of 10 ms of traffic: tc-tbf(8) needs at least rate / HZ
 QUEUE_LATENCY_MS = 50  # tbf drops what would wait longer than this in its queue
-_NAME = re.compile(r"^fsb(\d+)(?:n\d+|sw)$")
+_NAME = re.compile(r"^fsb(\d+)(?:n\d+|sw\d+|core)$")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -85,35 +94,63 @@ def handle_termination() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def read_counters(namespace: str, device: str) -> dict[str, int]:
+    """Bytes and packets ``device`` has sent and received, read inside ``namespace`` (the kernel's counters)."""
+    stats = f"/sys/class/net/{device}/statistics"
+    names = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
+    cmd = ["ip", "netns", "exec", namespace, "cat", *(f"{stats}/{n}" for n in names)]
+    values = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30).stdout.split()
+    return dict(zip(names, map(int, values), strict=True))
+
+
 @dataclass
 class Cluster:
-    """``nodes`` namespaces joined by a switch, each link shaped to ``rate_mbit``; use as a context manager.
+    """``nodes`` namespaces in ``racks`` racks of switches, links shaped per tier; use as a context manager.
 
     Args:
-        nodes: number of emulated nodes (one namespace each).
-        rate_mbit: link rate between a node and the switch, in Mbit/s, in each direction.
+        nodes: number of emulated nodes (one namespace each), split into ``racks`` racks of contiguous nodes.
+        rate_mbit: link rate between a node and its rack's switch, in Mbit/s, in each direction.
+        racks: 1 is a two-tier cluster (one switch); more adds a core switch and a third tier.
+        rack_rate_mbit: link rate between a rack's switch and the core, Mbit/s each way (``racks > 1`` only).
     """
 
     nodes: int
     rate_mbit: float = 100.0
+    racks: int = 1
+    rack_rate_mbit: float | None = None
     prefix: str = field(default_factory=lambda: f"fsb{os.getpid()}")
     created: list[str] = field(default_factory=list, init=False)
     _procs: list[subprocess.Popen] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
+        if self.racks < 1 or self.nodes % self.racks:
+            raise ValueError(f"racks={self.racks} must divide nodes={self.nodes}: racks hold equal numbers of nodes.")
         if self.nodes < 2:
-            raise ValueError(f"nodes={self.nodes}: a two-tier cluster needs at least 2 nodes.")
+            raise ValueError(f"nodes={self.nodes}: a cluster needs at least 2 nodes.")
         if not self.rate_mbit > 0:
             raise ValueError(f"rate_mbit={self.rate_mbit}: the link rate must be positive (Mbit/s).")
+        if self.racks > 1 and not (self.rack_rate_mbit or 0) > 0:
+            raise ValueError(f"rack_rate_mbit={self.rack_rate_mbit}: racks={self.racks} needs a positive rack rate.")
         if os.geteuid() != 0:
             raise PermissionError("Network namespaces need root: run the benchmark as root (CI runs as root).")
+
+    @property
+    def nodes_per_rack(self) -> int:
+        return self.nodes // self.racks
+
+    def rack_of(self, node: int) -> int:
+        return node // self.nodes_per_rack
 
     def namespace(self, node: int) -> str:
         return f"{self.prefix}n{node}"
 
+    def switch(self, rack: int) -> str:
+        """Namespace of ``rack``'s switch (the only switch of a two-tier cluster is rack 0's)."""
+        return f"{self.prefix}sw{rack}"
+
     @property
-    def switch(self) -> str:
-        return f"{self.prefix}sw"
+    def core(self) -> str:
+        return f"{self.prefix}core"
 
     def address(self, node: int) -> str:
         """IP address of ``node``'s uplink (inside its namespace only)."""
@@ -136,35 +173,48 @@ class Cluster:
         self.created.append(name)
         _ip("-n", name, "link", "set", "lo", "up")
 
-    def _shape(self, namespace: str, device: str) -> None:
-        rate_bytes_s = self.rate_mbit * 1e6 / 8
+    @staticmethod
+    def _shape(namespace: str, device: str, rate_mbit: float) -> None:
+        rate_bytes_s = rate_mbit * 1e6 / 8
         burst = max(int(rate_bytes_s * BURST_S), 16 * 1024)
         cmd = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
-               "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", f"{QUEUE_LATENCY_MS}ms"]  # fmt: skip
+               "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", f"{QUEUE_LATENCY_MS}ms"]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
 
+    def _add_switch(self, name: str) -> None:
+        self._add_namespace(name)
+        _ip("-n", name, "link", "add", "br0", "type", "bridge")
+        _ip("-n", name, "link", "set", "br0", "up")
+
+    def _link(self, near: str, near_dev: str, switch: str, port: str, rate_mbit: float) -> None:
+        """A veth ``near_dev`` (in ``near``) <-> ``port`` on ``switch``'s bridge, shaped to ``rate_mbit`` each way."""
+        _ip("link", "add", near_dev, "netns", near, "type", "veth", "peer", "name", port, "netns", switch)
+        _ip("-n", switch, "link", "set", port, "master", "br0")
+        for ns, dev in ((switch, port), (near, near_dev)):
+            _ip("-n", ns, "link", "set", dev, "up")
+            self._shape(ns, dev, rate_mbit)
+
     def _build(self) -> None:
-        self._add_namespace(self.switch)
-        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.switch, "link", "set", "br0", "up")
+        if self.racks > 1:
+            self._add_switch(self.core)
+        for rack in range(self.racks):
+            self._add_switch(self.switch(rack))
+            if self.racks > 1:
+                self._link(self.switch(rack), TRUNK, self.core, f"rack{rack}", self.rack_rate_mbit)
+                _ip("-n", self.switch(rack), "link", "set", TRUNK, "master", "br0")
         for node in range(self.nodes):
-            ns, port = self.namespace(node), f"port{node}"
+            ns = self.namespace(node)
             self._add_namespace(ns)
-            _ip("link", "add", UPLINK, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
-            _ip("-n", self.switch, "link", "set", port, "master", "br0")
-            _ip("-n", self.switch, "link", "set", port, "up")
+            self._link(ns, UPLINK, self.switch(self.rack_of(node)), f"port{node}", self.rate_mbit)
             _ip("-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", UPLINK)
-            _ip("-n", ns, "link", "set", UPLINK, "up")
-            self._shape(ns, UPLINK)
-            self._shape(self.switch, port)
 
     def counters(self, node: int) -> dict[str, int]:
         """Bytes and packets sent and received so far by ``node``'s uplink (its inter-node traffic)."""
-        stats = f"/sys/class/net/{UPLINK}/statistics"
-        names = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
-        cmd = ["ip", "netns", "exec", self.namespace(node), "cat", *(f"{stats}/{n}" for n in names)]
-        values = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30).stdout.split()
-        return dict(zip(names, map(int, values), strict=True))
+        return read_counters(self.namespace(node), UPLINK)
+
+    def rack_counters(self, rack: int) -> dict[str, int]:
+        """Bytes and packets ``rack``'s trunk sent to and received from the other racks (three tiers only)."""
+        return read_counters(self.switch(rack), TRUNK)
 
     def probe_goodput(self, src: int, dst: int, seconds: float = 2.0, port: int = 29400) -> dict[str, float]:
         """TCP goodput from node ``src`` to ``dst`` (one stream for ``seconds``): what the shaped link delivers."""
@@ -205,11 +255,15 @@ class Cluster:
         """Start ``argv`` inside ``node``'s namespace, in its own process group, output to ``log``.
 
         gloo is pointed at the uplink (``GLOO_SOCKET_IFNAME``): the only interface that reaches the other nodes.
+        The first node of each rack of a three-tier cluster is told its rack switch's namespace
+        (``FEDSHARD_RACK_NETNS``), where it reads the rack's trunk counters.
         """
+        rack = self.rack_of(node)
+        reads_rack = {RACK_NETNS_ENV: self.switch(rack)} if self.racks > 1 and node % self.nodes_per_rack == 0 else {}
         with open(log, "w") as out:
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", self.namespace(node), *argv],
-                env={**os.environ, "GLOO_SOCKET_IFNAME": UPLINK, **env},
+                env={**os.environ, "GLOO_SOCKET_IFNAME": UPLINK, **env, **reads_rack},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

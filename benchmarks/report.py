@@ -8,6 +8,7 @@ Definitions (the same for every method):
   window ending with a sync (so the averaging is paid for); the median over windows;
 - inter-node bytes: the uplinks' ``tx_bytes`` summed over nodes, over the optimizer steps only (evaluations
   left out), divided by the number of steps; predicted by :mod:`hf_fedshard.cost` with gloo's reduce-scatter;
+  inter-rack bytes (three tiers): the same for the racks' trunks;
 - eval perplexity at equal tokens: after the last step (every method reads the same tokens per step);
   at equal wall time: the last evaluation made within T*, the training clock of the fastest real method.
 """
@@ -19,20 +20,40 @@ import math
 import statistics
 from pathlib import Path
 
-from hf_fedshard.cost import GLOO, ModelCost, Network, method_layouts, step_cost
+from hf_fedshard.cost import GLOO, ModelCost, Network, method_layouts, step_cost, sync_bytes_per_value
 from hf_fedshard.mesh import FederationLayout
 
 AVERAGING = ("FL+FSDP", "FL+HSDP", "LocalSGD")
 BYTES_TOLERANCE = 0.15
+VARIANT_BYTES_TOLERANCE = 0.05
+# Averaging on pseudo-gradients: each variant is its base method plus settings (bench_train.py arguments).
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "FL+FSDP bf16": ("FL+FSDP", ["--fed_sync_dtype", "bfloat16"]),
+    "FL+FSDP int8": ("FL+FSDP", ["--fed_sync_dtype", "int8"]),
+    "FL+FSDP nesterov": ("FL+FSDP", ["--fed_outer_optimizer", "nesterov"]),
+    "FL+HSDP split": ("FL+HSDP", ["--fed_split_exchange", "true"]),
+}
+
+
+def base_method(method: str) -> str:
+    """The method a variant modifies (a method is its own base)."""
+    return VARIANTS[method][0] if method in VARIANTS else method
+
+
+def variant_settings(method: str) -> dict[str, str]:
+    """A variant's fed settings by name, without the leading dashes (empty for a plain method)."""
+    args = VARIANTS[method][1] if method in VARIANTS else []
+    return {k.removeprefix("--"): v for k, v in zip(args[::2], args[1::2], strict=True)}
 
 
 def layout_of(method: str, cfg: dict) -> tuple[FederationLayout, int | None]:
     """The federation layout of ``method`` as bench_train.py runs it, and its H (``None``: no averaging)."""
     w, r, h = cfg["nodes"] * cfg["ranks_per_node"], cfg["ranks_per_node"], cfg["sync_steps"]
-    layouts = method_layouts(w, r, fl_fsdp_group=r, fl_hsdp_group=2 * r, fl_hsdp_shard=r, sync_steps=h)
+    hsdp_nodes = cfg["nodes"] // cfg.get("racks", 1) if cfg.get("racks", 1) > 1 else 2  # a rack, or 2 nodes
+    layouts = method_layouts(w, r, fl_fsdp_group=r, fl_hsdp_group=hsdp_nodes * r, fl_hsdp_shard=r, sync_steps=h)
     layouts["ideal"] = (layouts["FL+FSDP"][0], None)
     layouts["LocalSGD"] = (FederationLayout(w, 1, 1), h)  # every rank its own group of one, world all-reduce
-    return layouts[method]
+    return layouts[base_method(method)]
 
 
 def clock_at(steps: list[dict], step: int) -> float:
@@ -62,11 +83,18 @@ def perplexity_at(evals: list[dict], clock_s: float) -> dict:
 def predicted(method: str, cfg: dict, record: dict, compute_s: float | None) -> dict:
     """The cost model's bytes per step (and, given the compute time, s/step) for this run."""
     layout, h = layout_of(method, cfg)
-    model = ModelCost(record["params"], record["once_params"], record["units"], 4, 4, 4, reduce_scatter=GLOO)
-    network = Network(inter_node_bytes_s=cfg["rate_mbit"] * 1e6 / 8, intra_node_bytes_s=math.inf)
-    cost = step_cost(model, layout, cfg["ranks_per_node"], h, network, compute_s or 0.0, method)
+    settings = variant_settings(method)
+    sync_bytes = sync_bytes_per_value(settings.get("fed_sync_dtype", "float32"))
+    split = settings.get("fed_split_exchange") == "true"
+    model = ModelCost(record["params"], record["once_params"], record["units"], 4, 4, sync_bytes, GLOO, split)
+    racks = cfg.get("racks", 1)
+    rack_rate = cfg.get("rack_rate_mbit") or math.inf
+    network = Network(cfg["rate_mbit"] * 1e6 / 8, math.inf, inter_rack_bytes_s=rack_rate * 1e6 / 8)
+    nodes_per_rack = cfg["nodes"] // racks if racks > 1 else None
+    cost = step_cost(model, layout, cfg["ranks_per_node"], h, network, compute_s or 0.0, method, nodes_per_rack)
     return {
         "inter_bytes_per_step": cost.inter_bytes_per_node * cfg["nodes"],
+        "inter_rack_bytes_per_step": cost.inter_rack_bytes_per_rack * racks,
         "inter_bytes_per_node_per_step": cost.inter_bytes_per_node,
         "intra_bytes_per_rank_per_step": cost.intra_bytes_per_rank,
         "s_per_step": cost.serial_s if compute_s is not None else None,
@@ -82,9 +110,11 @@ def summarize_method(method: str, records: list[dict], cfg: dict) -> dict:
     tokens_per_s = statistics.median(windows)
     node_records = sorted((r for r in records if r["local_rank"] == 0), key=lambda r: r["node"])
     tx = [sum(s["tx_bytes"] for s in r["steps"]) for r in node_records]
+    rack_tx = [sum(s["rack_tx_bytes"] for s in r["steps"]) for r in node_records if r.get("reads_rack")]
+    memory = [r["peak_rss_bytes"] - r["rss_before_model_bytes"] for r in records if "peak_rss_bytes" in r]
     layout, sync = layout_of(method, cfg)
     syncs = [s for s in steps if sync is not None and s["step"] % sync == 0]
-    rate_bytes_s = cfg["rate_mbit"] * 1e6 / 8
+    rate_bytes_s = min(cfg["rate_mbit"], cfg.get("rack_rate_mbit") or math.inf) * 1e6 / 8  # the slowest link
     averaging = [
         {"step": s["step"], "sync_s": s["sync_s"], "node0_tx_bytes": s["sync_tx_bytes"],
          "ratio_to_bytes_over_rate": s["sync_s"] / (s["sync_tx_bytes"] / rate_bytes_s)}
@@ -103,6 +133,10 @@ def summarize_method(method: str, records: list[dict], cfg: dict) -> dict:
         "step_s": [s["end_s"] - s["begin_s"] for s in steps],
         "inter_bytes_per_node": tx,
         "inter_bytes_per_step": sum(tx) / len(steps),
+        "inter_rack_bytes_per_rack": rack_tx,
+        "inter_rack_bytes_per_step": sum(rack_tx) / len(steps) if rack_tx else None,
+        "memory_added_bytes_per_rank": memory,
+        "memory_added_bytes_max": max(memory) if memory else None,
         "averaging": averaging,
         "averaging_ratio_median": statistics.median(a["ratio_to_bytes_over_rate"] for a in averaging)
         if averaging
@@ -113,7 +147,7 @@ def summarize_method(method: str, records: list[dict], cfg: dict) -> dict:
     }
 
 
-def targets(methods: dict) -> list[dict]:
+def targets(methods: dict, three_tier: bool = False) -> list[dict]:
     """The issue's targets, each with the measured value and whether it is met (only for methods that ran)."""
 
     def ratio(a: str, b: str, key: str = "tokens_per_s") -> float | None:
@@ -122,25 +156,55 @@ def targets(methods: dict) -> list[dict]:
     rows = [
         ("FL+FSDP tokens/s ≥ 3× FSDP", ratio("FL+FSDP", "FSDP"), 3.0, "≥"),
         ("FL+FSDP tokens/s ≥ 90% of ideal", ratio("FL+FSDP", "ideal"), 0.90, "≥"),
-        ("FL+HSDP tokens/s ≥ 2× HSDP", ratio("FL+HSDP", "HSDP"), 2.0, "≥"),
+        ("FL+HSDP tokens/s ≥ 1.5× HSDP", ratio("FL+HSDP", "HSDP"), 1.5, "≥")
+        if three_tier
+        else ("FL+HSDP tokens/s ≥ 2× HSDP", ratio("FL+HSDP", "HSDP"), 2.0, "≥"),
         ("FL+FSDP eval ppl at equal tokens ≤ 1.05× FSDP", ratio("FL+FSDP", "FSDP", "final_eval_perplexity"), 1.05, "≤"),
     ]
     for name in ("FL+FSDP", "FL+HSDP"):
         if name in methods and methods[name]["averaging_ratio_median"] is not None:
             rows.append((f"{name} averaging time ≤ 1.5× bytes ÷ link rate", methods[name]["averaging_ratio_median"],
                          1.5, "≤"))  # fmt: skip
+    rows += variant_targets(methods)
     for name, m in methods.items():
         if m["predicted"]["inter_bytes_per_step"] > 0:
             error = m["inter_bytes_per_step"] / m["predicted"]["inter_bytes_per_step"] - 1
             rows.append((f"{name} inter-node bytes within 15% of the model (measured/predicted - 1)", error,
                          BYTES_TOLERANCE, "|≤|"))  # fmt: skip
+        if three_tier and m["predicted"]["inter_rack_bytes_per_step"] > 0:
+            error = m["inter_rack_bytes_per_step"] / m["predicted"]["inter_rack_bytes_per_step"] - 1
+            rows.append((f"{name} inter-rack bytes within 15% of the model (measured/predicted - 1)", error,
+                         BYTES_TOLERANCE, "|≤|"))  # fmt: skip
     out = []
     for label, value, bound, sense in rows:
         if value is None:
             continue
-        met = value >= bound if sense == "≥" else (abs(value) <= bound if sense == "|≤|" else value <= bound)
+        met = {
+            "≥": value >= bound,
+            "≤": value <= bound,
+            "|≤|": abs(value) <= bound,
+            "≈": abs(value / bound - 1) <= VARIANT_BYTES_TOLERANCE,  # int8 carries its scales: about 1.6% more
+        }[sense]
         out.append({"target": label, "measured": value, "bound": bound, "met": met})
     return out
+
+
+def variant_targets(methods: dict) -> list[tuple[str, float, float, str]]:
+    """The pseudo-gradient variants' targets: payload bytes against fp32 and the model, perplexity against fp32."""
+    rows = []
+    for name, ratio in (("FL+FSDP bf16", 0.5), ("FL+FSDP int8", 0.25)):
+        if name not in methods or "FL+FSDP" not in methods:
+            continue
+        measured, fp32 = methods[name], methods["FL+FSDP"]
+        rows.append((f"{name} inter-node bytes ÷ fp32 FL+FSDP's (≈ {ratio:g})",
+                     measured["inter_bytes_per_step"] / fp32["inter_bytes_per_step"], ratio, "≈"))  # fmt: skip
+        rows.append((f"{name} eval ppl at equal tokens ≤ 1.02× fp32 FL+FSDP",
+                     measured["final_eval_perplexity"] / fp32["final_eval_perplexity"], 1.02, "≤"))  # fmt: skip
+    for name in [n for n in VARIANTS if n in methods and methods[n]["predicted"]["inter_bytes_per_step"] > 0]:
+        error = methods[name]["inter_bytes_per_step"] / methods[name]["predicted"]["inter_bytes_per_step"] - 1
+        rows.append((f"{name} inter-node bytes within 5% of the model (measured/predicted - 1)", error,
+                     VARIANT_BYTES_TOLERANCE, "|≤|"))  # fmt: skip
+    return rows
 
 
 def summarize(records: dict[str, list[dict]], cfg: dict, link: dict) -> dict:
@@ -160,7 +224,9 @@ def summarize(records: dict[str, list[dict]], cfg: dict, link: dict) -> dict:
         m["speedup_vs_fsdp"] = m["tokens_per_s"] / methods["FSDP"]["tokens_per_s"] if "FSDP" in methods else None
         m["fraction_of_ideal"] = m["tokens_per_s"] / methods["ideal"]["tokens_per_s"] if "ideal" in methods else None
         m["eval_at_equal_time"] = perplexity_at(m["evals"], equal_time_s) if equal_time_s is not None else None
-    return {"config": cfg, "link": link, "equal_time_s": equal_time_s, "methods": methods, "targets": targets(methods)}
+    three_tier = cfg.get("racks", 1) > 1
+    return {"config": cfg, "link": link, "equal_time_s": equal_time_s, "methods": methods,
+            "targets": targets(methods, three_tier)}  # fmt: skip
 
 
 def _mb(nbytes: float) -> str:
@@ -174,31 +240,49 @@ def _x(value: float | None, digits: int = 2, suffix: str = "×") -> str:
 def markdown(results: dict) -> str:
     """The results table, the targets and the run's conditions, as Markdown."""
     cfg, link = results["config"], results["link"]
+    three_tier = cfg.get("racks", 1) > 1
+    where = (
+        f"{cfg['racks']} racks × {cfg['nodes'] // cfg['racks']} nodes × {cfg['ranks_per_node']} ranks, node links "
+        f"{cfg['rate_mbit']:g} Mbit/s (TCP goodput measured {link['goodput_mbit']:.1f}), rack uplinks "
+        f"{cfg['rack_rate_mbit']:g} Mbit/s (goodput between racks {link['rack']['goodput_mbit']:.1f})"
+        if three_tier
+        else f"{cfg['nodes']} nodes × {cfg['ranks_per_node']} ranks, links {cfg['rate_mbit']:g} Mbit/s (TCP goodput "
+        f"measured {link['goodput_mbit']:.1f} Mbit/s)"
+    )
+    rack_head = " inter-rack MB/step measured (predicted) |" if three_tier else ""
     lines = [
-        f"{cfg['nodes']} nodes × {cfg['ranks_per_node']} ranks, links {cfg['rate_mbit']:g} Mbit/s (TCP goodput "
-        f"measured {link['goodput_mbit']:.1f} Mbit/s), Llama `{cfg['model_size']}`, {cfg['steps']} steps of "
+        f"{where}, Llama `{cfg['model_size']}`, {cfg['steps']} steps of "
         f"{cfg['nodes'] * cfg['ranks_per_node']} × {cfg['batch_size']} × {cfg['block_size']} tokens, H = "
         f"{cfg['sync_steps']}, throughput after {cfg['warmup_steps']} warm-up steps; equal wall time T* = "
         f"{results['equal_time_s']:.1f} s of training. Predicted s/step: the ideal's measured s/step as compute, plus "
-        "the predicted bytes through a node's uplink ÷ link rate.",
+        "the predicted bytes through each tier's busiest link ÷ its rate. Memory: peak resident memory of a rank less "
+        "its resident memory before the model was built, largest over ranks.",
         "",
         "| method | layout | tokens/s | s/step (predicted) | vs FSDP | of ideal | inter-node MB/step measured | "
-        "predicted | measured/predicted | eval ppl, equal tokens | eval ppl at T* (step) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"predicted | measured/predicted |{rack_head} memory MB/rank | eval ppl, equal tokens | "
+        "eval ppl at T* (step) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if three_tier else "") + "---:|---:|---:|",
     ]
     for name, m in results["methods"].items():
         at_t = m["eval_at_equal_time"]
+        rack = (
+            f" {_mb(m['inter_rack_bytes_per_step'] or 0)} ({_mb(m['predicted']['inter_rack_bytes_per_step'])}) |"
+            if three_tier
+            else ""
+        )
+        memory = m.get("memory_added_bytes_max")
         lines.append(
             f"| {name} | {m['layout']} | {m['tokens_per_s']:,.0f} | {m['s_per_step']:.2f} "
             f"({_x(m['predicted']['s_per_step'], 2, '')}) | "
             f"{_x(m['speedup_vs_fsdp'])} | {_x(m['fraction_of_ideal'] and 100 * m['fraction_of_ideal'], 0, '%')} | "
             f"{_mb(m['inter_bytes_per_step'])} | {_mb(m['predicted']['inter_bytes_per_step'])} | "
-            f"{_x(m['bytes_measured_over_predicted'], 3, '')} | {m['final_eval_perplexity']:.1f} | "
+            f"{_x(m['bytes_measured_over_predicted'], 3, '')} |{rack} {_x(memory and memory / 1e6, 0, '')} | "
+            f"{m['final_eval_perplexity']:.1f} | "
             f"{at_t['eval_perplexity']:.1f} ({at_t['step']}) |"
         )
     lines += ["", "| target | measured | met |", "|---|---:|:---:|"]
     for t in results["targets"]:
-        value = f"{100 * t['measured']:+.1f}%" if "15%" in t["target"] else f"{t['measured']:.2f}"
+        value = f"{100 * t['measured']:+.1f}%" if "(measured/predicted - 1)" in t["target"] else f"{t['measured']:.3f}"
         lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else '**no**'} |")
     machine = results.get("machine")
     if machine:
@@ -263,16 +347,14 @@ def write(results: dict, out: Path) -> None:
     plot(results, out)
 
 
-BEGIN, END = "<!-- results:begin (written by two_tier.py --update-readme) -->", "<!-- results:end -->"
-
-
-def update_readme(results: dict, out: Path, readme: Path) -> None:
-    """Replace the README's results block by this run's tables and plots."""
+def update_readme(results: dict, out: Path, readme: Path, block: str = "results") -> None:
+    """Replace the README's ``block`` block (``results``: two tiers, ``three-tier``) by this run's tables and plots."""
+    begin, end = f"<!-- {block}:begin (written by two_tier.py --update-readme) -->", f"<!-- {block}:end -->"
     rel = out.relative_to(readme.parent)
-    block = "\n".join([BEGIN, markdown(results), "", f"![throughput]({rel}/throughput.png)",
-                       f"![eval perplexity against training time]({rel}/perplexity_vs_time.png)", END])  # fmt: skip
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme} has no results block; add the lines {BEGIN!r} and {END!r}.")
-    head, rest = text.split(BEGIN, 1)
-    readme.write_text(head + block + rest.split(END, 1)[1])
+    text = "\n".join([begin, markdown(results), "", f"![throughput]({rel}/throughput.png)",
+                       f"![eval perplexity against training time]({rel}/perplexity_vs_time.png)", end])  # fmt: skip
+    current = readme.read_text()
+    if begin not in current or end not in current:
+        raise ValueError(f"{readme} has no {block} block; add the lines {begin!r} and {end!r}.")
+    head, rest = current.split(begin, 1)
+    readme.write_text(head + text + rest.split(end, 1)[1])

@@ -1,10 +1,13 @@
-"""FSDP vs HSDP vs FL+FSDP vs FL+HSDP (and the ideal, and Accelerate's LocalSGD) on an emulated two-tier cluster.
+"""FSDP vs HSDP vs FL+FSDP vs FL+HSDP (and the ideal, and Accelerate's LocalSGD) on an emulated two- or three-tier
+cluster.
 
 As root, on one Linux machine (network namespaces, `tc`; see benchmarks/README.md):
 
     python benchmarks/two_tier.py --quick            # 2 nodes × 2 ranks: FSDP, HSDP, FL+FSDP, ideal (< 5 min)
     python benchmarks/two_tier.py --update-readme    # 4 nodes × 2 ranks: all six methods; table into the README
     python benchmarks/two_tier.py --quick --rate-mbit 1000 --out /tmp/bench
+    python benchmarks/two_tier.py --topology three-tier   # 2 racks × 2 nodes × 2 ranks, 1 Gbit/s in a rack,
+                                                          # 100 Mbit/s between racks; FL+HSDP groups = racks
 
 Each method runs benchmarks/bench_train.py with the real multi-node launcher, `torchrun --nnodes N --node_rank i`,
 one launcher per node namespace, rendezvous on node 0's address. Results (JSON with every figure, a Markdown
@@ -32,10 +35,17 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
 
 from benchmarks import report  # noqa: E402
 from benchmarks.netns import Cluster, handle_termination  # noqa: E402
+from benchmarks.report import VARIANTS, base_method  # noqa: E402
 
 DATA_CACHE = Path.home() / ".cache" / "hf_fedshard" / "benchmark-data"
 QUICK_METHODS = ("FSDP", "HSDP", "FL+FSDP", "ideal")
-FULL_METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal", "LocalSGD")
+FULL_METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal", "LocalSGD", *VARIANTS)
+THREE_TIER_METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal")
+# Three-tier defaults: the slow tier keeps the two-tier benchmark's 100 Mbit/s, so the two compare; a rack's node
+# links are 10× faster, a tapered network in which a rack's uplink carries a tenth of what one node can send, as
+# a Dragonfly+ cell's global links carry less than the sum of its nodes' links. 1 Gbit/s is also about what one
+# shaped veth delivers here without the shaping itself taking the cores (TCP goodput measured 959 Mbit/s).
+THREE_TIER = {"racks": 2, "nodes": 4, "rate_mbit": 1000.0, "rack_rate_mbit": 100.0}
 
 
 @dataclass
@@ -44,7 +54,9 @@ class BenchConfig:
 
     nodes: int = 4
     ranks_per_node: int = 2
-    rate_mbit: float = 100.0
+    rate_mbit: float = 100.0  # node links (two tiers: the only shaped tier)
+    racks: int = 1  # > 1: three tiers, FL+HSDP groups = racks
+    rack_rate_mbit: float | None = None  # rack uplinks (three tiers)
     methods: tuple[str, ...] = FULL_METHODS
     model_size: str = "tiny"
     block_size: int = 128
@@ -65,6 +77,16 @@ class BenchConfig:
         return self.nodes * self.ranks_per_node
 
     @property
+    def nodes_per_rack(self) -> int | None:
+        """Nodes per rack with three tiers, ``None`` with two (one switch)."""
+        return self.nodes // self.racks if self.racks > 1 else None
+
+    @property
+    def fl_hsdp_nodes(self) -> int:
+        """Nodes in an FL+HSDP group: a rack with three tiers, 2 with two."""
+        return self.nodes_per_rack or 2
+
+    @property
     def tokens_per_step(self) -> int:
         """World tokens per optimizer step: the same for every method."""
         return self.world_size * self.batch_size * self.block_size
@@ -73,8 +95,15 @@ class BenchConfig:
         unknown = set(self.methods) - set(FULL_METHODS)
         if unknown:
             raise ValueError(f"--methods {sorted(unknown)} unknown; choose from {', '.join(FULL_METHODS)}.")
-        if "FL+HSDP" in self.methods and self.nodes % 2:
-            raise ValueError(f"FL+HSDP puts 2 nodes in a group: --nodes={self.nodes} must be even.")
+        if self.racks < 1 or self.nodes % self.racks:
+            raise ValueError(f"--racks={self.racks} must divide --nodes={self.nodes}.")
+        if any(base_method(m) == "FL+HSDP" for m in self.methods) and (
+            self.nodes % self.fl_hsdp_nodes or self.fl_hsdp_nodes < 2
+        ):
+            raise ValueError(
+                f"FL+HSDP puts {self.fl_hsdp_nodes} nodes in a group (a rack with three tiers, else 2): "
+                f"--nodes={self.nodes} must be a multiple of it, and a rack must hold at least 2 nodes."
+            )
         if self.steps % self.sync_steps or self.eval_steps % self.sync_steps or self.steps % self.eval_steps:
             raise ValueError(
                 f"--steps={self.steps}, --eval-steps={self.eval_steps} and H={self.sync_steps}: steps and eval "
@@ -85,16 +114,26 @@ class BenchConfig:
 
 
 def method_args(name: str, cfg: BenchConfig) -> list[str]:
-    """The parallelism of each method, as bench_train.py arguments; everything else is shared."""
+    """The parallelism of each method (and a variant's settings), as bench_train.py arguments."""
     r, h = cfg.ranks_per_node, str(cfg.sync_steps)
+    variant = VARIANTS[name][1] if name in VARIANTS else []
+    unsplit = ["--fed_split_exchange", "false"]  # FL+HSDP as before the split; "FL+HSDP split" turns it on
     return {
         "FSDP": ["--fsdp"],
         "HSDP": ["--fed_shard_size", str(r)],
         "FL+FSDP": ["--fed_group_size", str(r), "--fed_sync_steps", h],
-        "FL+HSDP": ["--fed_group_size", str(2 * r), "--fed_shard_size", str(r), "--fed_sync_steps", h],
+        "FL+HSDP": [
+            "--fed_group_size",
+            str(cfg.fl_hsdp_nodes * r),
+            "--fed_shard_size",
+            str(r),
+            "--fed_sync_steps",
+            h,
+            *unsplit,
+        ],
         "ideal": ["--fed_group_size", str(r), "--no_averaging", "true"],
         "LocalSGD": ["--use_cpu", "true", "--local_sgd_steps", h],
-    }[name]
+    }[base_method(name)] + variant
 
 
 def shared_args(cfg: BenchConfig) -> list[str]:
@@ -133,7 +172,7 @@ def prepare_data(cfg: BenchConfig, cache: Path) -> Path:
 
 def run_method(cluster: Cluster, name: str, cfg: BenchConfig, data: Path, work: Path, port: int) -> list[dict]:
     """Train ``name`` on the cluster; return every rank's record."""
-    run_dir = work / name.replace("+", "_")
+    run_dir = work / name.replace("+", "_").replace(" ", "_")
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     args = ["--data_dir", str(data), "--record_dir", str(run_dir / "records"), "--output_dir", str(run_dir / "out"),
@@ -197,8 +236,10 @@ def benchmark(cfg: BenchConfig, out: Path, work: Path, data_cache: Path, quiet: 
     records, load_before, load_after_each = {}, machine_load(), {}
     started = time.time()
     data = prepare_data(cfg, data_cache)
-    with handle_termination(), Cluster(cfg.nodes, cfg.rate_mbit) as cluster:
+    with handle_termination(), Cluster(cfg.nodes, cfg.rate_mbit, cfg.racks, cfg.rack_rate_mbit) as cluster:
         link = cluster.probe_goodput(0, 1)
+        if cfg.racks > 1:
+            link["rack"] = cluster.probe_goodput(0, cluster.nodes_per_rack)
         for index, name in enumerate(cfg.methods):
             cpu, start = busy_cpu_s(), time.monotonic()
             records[name] = run_method(cluster, name, cfg, data, work, 29500 + index)
@@ -216,9 +257,19 @@ def benchmark(cfg: BenchConfig, out: Path, work: Path, data_cache: Path, quiet: 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 nodes × 2 ranks, FSDP/HSDP/FL+FSDP/ideal, 24 steps.")
+    p.add_argument(
+        "--topology",
+        choices=("two-tier", "three-tier"),
+        default="two-tier",
+        help="three-tier: racks of nodes under a core switch; defaults "
+        + ", ".join(f"{k} {v:g}" for k, v in THREE_TIER.items())
+        + "; FSDP, HSDP, FL+FSDP, FL+HSDP, ideal.",
+    )
     p.add_argument("--nodes", type=int, help="Emulated nodes (default 4; 2 with --quick).")
     p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--rate-mbit", type=float, default=100.0, help="Inter-node link rate, Mbit/s each way.")
+    p.add_argument("--rate-mbit", type=float, help="Node link rate, Mbit/s each way (default 100; 1000 in racks).")
+    p.add_argument("--racks", type=int, help="Racks of nodes (three-tier only; default 2).")
+    p.add_argument("--rack-rate-mbit", type=float, help="Rack uplink rate, Mbit/s each way (three-tier; 100).")
     p.add_argument("--methods", nargs="+", help=f"Subset of {', '.join(FULL_METHODS)}.")
     p.add_argument("--steps", type=int, help="Optimizer steps per method (default 48; 24 with --quick).")
     p.add_argument("--sync-steps", type=int, default=8, help="H for every method that averages.")
@@ -236,12 +287,17 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    quick = args.quick
+    quick, three = args.quick, args.topology == "three-tier"
+    if not three and (args.racks or args.rack_rate_mbit):
+        raise ValueError("--racks and --rack-rate-mbit need --topology three-tier.")
+    default_methods = THREE_TIER_METHODS if three else (QUICK_METHODS if quick else FULL_METHODS)
     cfg = BenchConfig(
-        nodes=args.nodes or (2 if quick else 4),
+        nodes=args.nodes or (THREE_TIER["nodes"] if three else 2 if quick else 4),
         ranks_per_node=args.ranks_per_node,
-        rate_mbit=args.rate_mbit,
-        methods=tuple(args.methods or (QUICK_METHODS if quick else FULL_METHODS)),
+        rate_mbit=args.rate_mbit or (THREE_TIER["rate_mbit"] if three else 100.0),
+        racks=(args.racks or THREE_TIER["racks"]) if three else 1,
+        rack_rate_mbit=(args.rack_rate_mbit or THREE_TIER["rack_rate_mbit"]) if three else None,
+        methods=tuple(args.methods or default_methods),
         model_size=args.model_size,
         batch_size=args.batch_size,
         steps=args.steps or (24 if quick else 48),
@@ -258,13 +314,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     cfg = config_from_args(args)
-    out = args.out or REPO / "benchmarks" / "results" / ("quick" if args.quick else "full")
+    mode = "quick" if args.quick else "full"
+    out = args.out or REPO / "benchmarks" / "results" / (
+        f"three_tier_{mode}" if args.topology == "three-tier" else mode
+    )
     quiet = wait_until_quiet(args.wait_quiet_s) if args.wait_quiet_s > 0 else None
     with tempfile.TemporaryDirectory(prefix="fedshard-bench-") as tmp:
         results = benchmark(cfg, out, args.work or Path(tmp), args.data_cache, quiet)
     print(report.markdown(results))
     if args.update_readme:
-        report.update_readme(results, out, REPO / "benchmarks" / "README.md")
+        report.update_readme(
+            results, out, REPO / "benchmarks" / "README.md", "three-tier" if cfg.racks > 1 else "results"
+        )
     return 0
 
 

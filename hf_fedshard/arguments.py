@@ -14,15 +14,19 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
 from transformers import TrainingArguments
 from transformers.trainer_utils import IntervalStrategy
 
+from .codec import SYNC_DTYPES
 from .errors import ConfigError
 from .mesh import FederationLayout
 from .notices import notice as _notice
+from .outer import NESTEROV_DEFAULTS, OUTER_OPTIMIZERS, outer_hyperparameters
+from .timeouts import start_world_process_group
 
 
 def _env_flag(name: str) -> bool:
@@ -44,17 +48,29 @@ class FedShardArgumentsMixin:
         fed_sync_steps (`int`, defaults to 8): H, optimizer steps between two averagings (the paper's 8).
         fed_average_optimizer_state (`bool`, defaults to `False`): also average the optimizer's moments;
             off in the paper, and it doubles or triples the inter-group bytes with Adam.
+        fed_outer_optimizer (`str`, defaults to `"fedavg"`): how an averaging moves the global model with the
+            groups' mean pseudo-gradient Δ = anchor − local. `"fedavg"`: SGD with lr 1 (the plain average of the
+            models); `"nesterov"`: SGD with Nesterov momentum (DiLoCo).
+        fed_outer_lr (`float`, *optional*): the nesterov outer learning rate (default 0.7). Not for fedavg.
+        fed_outer_momentum (`float`, *optional*): the nesterov outer momentum, in [0, 1) (default 0.9).
+        fed_sync_dtype (`str`, defaults to `"float32"`): the dtype of Δ between groups: `"float32"`,
+            `"bfloat16"` (half the bytes) or `"int8"` (a quarter, plus one fp32 scale per 256 values); the sum is
+            always accumulated in fp32 and every group decodes the same bytes.
+        fed_split_exchange (`bool`, defaults to `True`): FL+HSDP only: each of the Q replicas of a group sends
+            1/Q of its shard between groups and the group all-gathers the rest, so the slow tier carries the
+            payload once per group instead of Q times (same result).
 
     Evaluation:
         fed_eval_per_group (`bool`, defaults to `False`): at each evaluation during training, first evaluate
-            every group's own model (before the averaging that precedes the evaluation), logged as
+            every group's own model (before the evaluation of the groups' average), logged as
             `eval_group{g}_loss` / `eval_group{g}_perplexity` beside the global model's `eval_loss`. Each group
             reads the whole eval set over its own ranks, so an evaluation costs about twice as much.
 
     Fault tolerance (docs/fault_tolerance.md):
         fed_timeout_s (`float`, *optional*): seconds an averaging waits for the other groups before it fails
-            with an error naming this setting. `None` keeps the world's `ddp_timeout` (30 minutes by default).
-        fed_auto_resume (`bool`, defaults to `False`): `train()` resumes from the latest complete checkpoint in
+            with an error naming this setting. `None` uses `ddp_timeout` (30 minutes by default), which bounds
+            every other collective across groups, on CPU too.
+        fed_auto_resume (`bool`, defaults to `False`): `train()` resumes from the newest verifying checkpoint in
             `output_dir` when there is one (and starts afresh otherwise), so that a job restarted by
             `torchrun --max-restarts=N` continues where it stopped. Needs `save_strategy="steps"` or `"epoch"`.
 
@@ -89,6 +105,34 @@ class FedShardArgumentsMixin:
         default=False,
         metadata={"help": "Also average the optimizer's moments across groups (more inter-group bytes)."},
     )
+    fed_outer_optimizer: str = field(
+        default="fedavg",
+        metadata={
+            "help": "Outer optimizer of the averagings, on the groups' mean pseudo-gradient: fedavg (plain average) "
+            "or nesterov (DiLoCo).",
+            "choices": list(OUTER_OPTIMIZERS),
+        },
+    )
+    fed_outer_lr: float | None = field(
+        default=None,
+        metadata={"help": f"Outer learning rate of nesterov (default {NESTEROV_DEFAULTS['lr']})."},
+    )
+    fed_outer_momentum: float | None = field(
+        default=None,
+        metadata={"help": f"Outer momentum of nesterov, in [0, 1) (default {NESTEROV_DEFAULTS['momentum']})."},
+    )
+    fed_sync_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Dtype of the pseudo-gradient between groups: float32, bfloat16 (1/2 the bytes) or int8 "
+            "(about 1/4); summed in fp32.",
+            "choices": list(SYNC_DTYPES),
+        },
+    )
+    fed_split_exchange: bool = field(
+        default=True,
+        metadata={"help": "FL+HSDP: each replica sends 1/Q of the shard between groups (Q times fewer bytes)."},
+    )
     fed_eval_per_group: bool = field(
         default=False,
         metadata={
@@ -106,7 +150,7 @@ class FedShardArgumentsMixin:
     fed_auto_resume: bool = field(
         default=False,
         metadata={
-            "help": "Resume from the latest complete checkpoint in output_dir if there is one (for torchrun "
+            "help": "Resume from the newest checkpoint in output_dir that verifies, if there is one (for torchrun "
             "--max-restarts): a restarted job continues where it stopped."
         },
     )
@@ -123,6 +167,7 @@ class FedShardArgumentsMixin:
                 f"fed_timeout_s={self.fed_timeout_s}: it must be a positive number of seconds. Set --fed_timeout_s "
                 "above the longest expected wait of one group for the others (or leave it unset)."
             )
+        self._check_outer_settings()
         layout = self.fed_layout  # validates the sizes against WORLD_SIZE before any process group exists
         if layout.federated and 0 < self.max_steps < self.fed_sync_steps:
             _notice(
@@ -153,6 +198,47 @@ class FedShardArgumentsMixin:
                 if layout.federated
                 else "with one federation group",
             )
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        # Transformers' use_cpu set-up leaves ddp_timeout out of the world process group: create it first.
+        start_world_process_group(self)
+        return super()._setup_devices
+
+    @property
+    def fed_exchange_timeout_s(self) -> float:
+        """Seconds an averaging waits for the other groups: ``fed_timeout_s``, else ``ddp_timeout``."""
+        return self.fed_timeout_s if self.fed_timeout_s is not None else self.ddp_timeout
+
+    def _check_outer_settings(self) -> None:
+        """The outer optimizer and wire dtype: one line each, before any process group exists."""
+        if self.fed_outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ConfigError(
+                f"fed_outer_optimizer={self.fed_outer_optimizer!r} is unknown. Set --fed_outer_optimizer to one of "
+                f"{', '.join(OUTER_OPTIMIZERS)}."
+            )
+        if self.fed_sync_dtype not in SYNC_DTYPES:
+            raise ConfigError(
+                f"fed_sync_dtype={self.fed_sync_dtype!r} is unknown. Set --fed_sync_dtype to one of "
+                f"{', '.join(SYNC_DTYPES)}."
+            )
+        if self.fed_outer_optimizer == "fedavg" and (self.fed_outer_lr, self.fed_outer_momentum) != (None, None):
+            raise ConfigError(
+                "fed_outer_lr/fed_outer_momentum apply to fed_outer_optimizer='nesterov'; fedavg is the plain "
+                "average (lr 1, no momentum). Add --fed_outer_optimizer nesterov, or drop them."
+            )
+        lr, momentum = self.fed_outer
+        if not lr > 0:
+            raise ConfigError(f"fed_outer_lr={lr}: it must be positive. Set --fed_outer_lr above 0 (DiLoCo: 0.7).")
+        if not 0 <= momentum < 1:
+            raise ConfigError(
+                f"fed_outer_momentum={momentum}: it must be in [0, 1). Set --fed_outer_momentum to e.g. 0.9."
+            )
+
+    @property
+    def fed_outer(self) -> tuple[float, float]:
+        """(lr, momentum) of the outer SGD, defaults filled in: (1, 0) for fedavg."""
+        return outer_hyperparameters(self.fed_outer_optimizer, self.fed_outer_lr, self.fed_outer_momentum)
 
     @property
     def fed_requested(self) -> bool:

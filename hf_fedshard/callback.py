@@ -1,4 +1,9 @@
-"""`FedAvgCallback`: the FedAvg schedule, as a `TrainerCallback` so the training loop stays Transformers' own."""
+"""`FedAvgCallback`: the averaging schedule, as a `TrainerCallback` so the training loop stays Transformers' own.
+
+The schedule (when to average) lives here; what an averaging does is composed from the outer optimizer
+(`hf_fedshard.outer`: anchor, pseudo-gradients), the exchange (`hf_fedshard.exchange`: the mean over groups) and
+its codec (`hf_fedshard.codec`: the wire dtype).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,15 @@ from torch.distributed import ProcessGroup, ReduceOp, all_reduce, get_rank
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import IntervalStrategy
 
-from .averaging import all_finite, average_across_groups, model_state_tensors, optimizer_state_tensors
+from .averaging import (
+    all_finite,
+    average_across_groups,
+    model_state_tensors,
+    optimizer_state_tensors,
+    trainable_parameters,
+)
+from .exchange import Exchange, ProcessGroupCommunicator
+from .outer import OuterOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +47,12 @@ def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 class FedAvgCallback(TrainerCallback):
     """Averages the model state across federation groups every ``sync_steps`` optimizer steps.
 
-    It also averages right before an evaluation and after the last step (or when another callback stops
-    training early), so that what is evaluated, saved at the end or pushed is always the global model.
+    An averaging is an outer step on pseudo-gradients: each rank's trainable shards move from the anchor (the
+    global model of the previous averaging) to ``OuterOptimizer``'s step with the groups' mean Δ, exchanged by
+    ``exchange``; floating buffers (and the optimizer's moments, if asked) are plainly averaged. At step 0 the
+    groups average their initial weights, so the anchor is one model even if the groups were initialised apart.
+    The last step (or a stop asked by another callback) ends with an averaging, so what is saved at the end is
+    the global model. Evaluations and exports in between use `global_model`, which changes nothing that trains.
     Every decision is a function of ``global_step`` and of flags that are equal on all ranks, so all ranks
     enter the collective together.
 
@@ -51,8 +68,11 @@ class FedAvgCallback(TrainerCallback):
         group: process group of this rank's own federation group, to agree on its divergence flag; ``None``
             when a group is one rank.
         timeout_s: the timeout ``fed_group`` was created with, quoted in the error when a group stops answering.
-        before_eval: called on every rank right before the averaging that precedes an evaluation, while the
-            groups still hold their own models (per-group evaluation).
+        before_eval: called on every rank right before an evaluation between averagings (or the averaging on
+            an evaluation's step), while the groups still hold their own models (per-group evaluation).
+        exchange: how the mean Δ is computed (wire dtype, FL+HSDP split); default: fp32 over ``fed_group``.
+        outer_lr, outer_momentum: the outer SGD's (1 and 0: FedAvg).
+        replicas: HSDP replicas per group (ranks holding the same shard), to turn shard norms into model norms.
     """
 
     def __init__(
@@ -64,6 +84,10 @@ class FedAvgCallback(TrainerCallback):
         group: ProcessGroup | None = None,
         timeout_s: float | None = None,
         before_eval: Callable[[], None] | None = None,
+        exchange: Exchange | None = None,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        replicas: int = 1,
     ) -> None:
         self.fed_group = fed_group
         self.num_groups = num_groups
@@ -72,12 +96,21 @@ class FedAvgCallback(TrainerCallback):
         self.group = group
         self.timeout_s = timeout_s
         self.before_eval = before_eval
+        self.exchange = exchange or Exchange(ProcessGroupCommunicator(fed_group))
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.replicas = replicas
+        self.outer: OuterOptimizer | None = None  # built when training starts, on the sharded model
+        self._saved_outer_state: dict | None = None  # from a checkpoint, loaded into `outer` when it is built
+        self.delta_norm = 0.0
+        self.group_drift = 0.0
         self.syncs = 0
         self.inter_group_bytes = 0
         self.last_sync_seconds = 0.0
         self.total_sync_seconds = 0.0
         self.diverged_groups = 0
         self._last_synced_step = 0
+        self._diverged_at_step: int | None = None
         self._output_dir: str | None = None
 
     def metrics(self) -> dict[str, float]:
@@ -88,6 +121,8 @@ class FedAvgCallback(TrainerCallback):
             "fed_sync_seconds": round(self.last_sync_seconds, 6),
             "fed_sync_seconds_total": round(self.total_sync_seconds, 6),
             "fed_diverged_groups": self.diverged_groups,
+            "fed_delta_norm": self.delta_norm,
+            "fed_group_drift": self.group_drift,
         }
 
     def state_dict(self) -> dict[str, float]:
@@ -99,6 +134,8 @@ class FedAvgCallback(TrainerCallback):
             "total_sync_seconds": self.total_sync_seconds,
             "diverged_groups": self.diverged_groups,
             "last_synced_step": self._last_synced_step,
+            "delta_norm": self.delta_norm,
+            "group_drift": self.group_drift,
         }
 
     def load_state_dict(self, state: dict[str, float]) -> None:
@@ -108,6 +145,16 @@ class FedAvgCallback(TrainerCallback):
         self.total_sync_seconds = float(state.get("total_sync_seconds", 0.0))
         self.diverged_groups = int(state["diverged_groups"])
         self._last_synced_step = int(state["last_synced_step"])
+        self.delta_norm = float(state.get("delta_norm", 0.0))
+        self.group_drift = float(state.get("group_drift", 0.0))
+
+    def outer_state_dict(self) -> dict | None:
+        """The anchor and outer momentum of this rank's shards (equal in every group); ``None`` before training."""
+        return None if self.outer is None else self.outer.state_dict()
+
+    def load_outer_state(self, state: dict | None) -> None:
+        """Keep a checkpoint's outer state until `on_train_begin` builds the outer optimizer on the model."""
+        self._saved_outer_state = state
 
     def payload(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
         """This rank's local shards that an averaging sends: the model state, and the moments if asked."""
@@ -135,6 +182,7 @@ class FedAvgCallback(TrainerCallback):
     def sync(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> None:
         """Average now (a collective: every rank of the world must call it at the same step)."""
         tensors = self.payload(model, optimizer)
+        params, others = tensors[: len(self.outer.anchor)], tensors[len(self.outer.anchor) :]
         start = time.perf_counter()
         diverged = self.diverged(tensors, step)
         if len(diverged) == self.num_groups:
@@ -144,9 +192,11 @@ class FedAvgCallback(TrainerCallback):
                 "are skipped while a group has NaN/Inf): resume from it with a lower learning_rate or max_grad_norm."
             )
         mine_diverged = get_rank(self.fed_group) in diverged
+        contributors = self.num_groups - len(diverged)
         with self._explain_failures(step):
+            self.inter_group_bytes += self._outer_step(params, contributors, contribute=not mine_diverged)
             self.inter_group_bytes += average_across_groups(
-                tensors, self.fed_group, self.num_groups - len(diverged), contribute=not mine_diverged
+                others, self.fed_group, contributors, contribute=not mine_diverged
             )
         if tensors and tensors[0].is_cuda:
             torch.cuda.synchronize()
@@ -156,6 +206,37 @@ class FedAvgCallback(TrainerCallback):
         self._last_synced_step = step
         if diverged:
             self._restart_diverged(diverged, mine_diverged, optimizer, step)
+
+    def _outer_step(self, params: list[torch.Tensor], contributors: int, contribute: bool) -> int:
+        """Δ, its mean over groups, the outer step and the norms; returns the payload bytes this rank sent."""
+        deltas = self.outer.deltas(params)
+        if not contribute:  # a diverged group's Δ holds NaN: it sends zeros and takes the others' mean
+            deltas = [torch.zeros_like(d) for d in deltas]
+        means, sent = self.exchange.mean(deltas, contributors)
+        self._measure(deltas, means, contribute, contributors)
+        self.outer.step(means, params)
+        return sent
+
+    @torch.no_grad()
+    def _measure(
+        self, deltas: list[torch.Tensor], means: list[torch.Tensor], contribute: bool, contributors: int
+    ) -> None:
+        """``fed_delta_norm`` = ‖mean Δ‖ and ``fed_group_drift`` = mean_g ‖Δ_g − mean Δ‖ / ‖mean Δ‖ (one all-reduce).
+
+        Each rank adds its shard's squares to its group's slot and to the mean's slot, over the whole world; a
+        shard is held by ``replicas`` ranks of each group, so the sums count it that many times.
+        """
+        sums = torch.zeros(self.num_groups + 1, dtype=torch.float64, device=means[0].device if means else "cpu")
+        if contribute:
+            drift = (d - m for d, m in zip(deltas, means, strict=True))
+            sums[get_rank(self.fed_group)] = sum((x.double().square().sum() for x in drift), 0.0)
+        sums[-1] = sum((m.double().square().sum() for m in means), 0.0)
+        all_reduce(sums, op=ReduceOp.SUM)
+        sums /= self.replicas
+        mean_norm = (sums[-1] / self.num_groups).sqrt()  # every group holds the same mean Δ
+        self.delta_norm = mean_norm.item()
+        drift = sums[:-1].sqrt().sum() / contributors
+        self.group_drift = (drift / mean_norm).item() if mean_norm > 0 else 0.0
 
     def sync_if_stale(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> None:
         """Average unless the groups already hold the average of ``step`` (a collective, like `sync`)."""
@@ -167,6 +248,7 @@ class FedAvgCallback(TrainerCallback):
     ) -> None:
         """Count the diverged groups; theirs took the others' average, and their moments go too."""
         self.diverged_groups += len(diverged)
+        self._diverged_at_step = step
         if mine_diverged and optimizer is not None and not self.average_optimizer_state:
             reset_optimizer_state(optimizer)
         if get_rank() == 0:
@@ -192,20 +274,72 @@ class FedAvgCallback(TrainerCallback):
                 f"only slow, raise --fed_timeout_s. Cause: {err}"
             ) from err
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        # A fresh run starts unsynced; a resumed one keeps the counters its checkpoint restored.
+    @contextlib.contextmanager
+    def global_model(self, model: nn.Module, step: int, evaluating: bool = False) -> Iterator[None]:
+        """Inside the block the model is the plain average of the groups' current models; after it, each group's own.
+
+        For evaluations and exports between averagings (a collective, like `sync`): no outer step, no counter but
+        the bytes, so the training trajectory is the same with or without them. A no-op on an averaged step.
+        """
+        if step <= self._last_synced_step:
+            yield
+            return
+        if evaluating and self.before_eval is not None:
+            self.before_eval()
+        tensors = model_state_tensors(model)
+        own = [t.clone() for t in tensors]
+        diverged = self.diverged(tensors, step)
+        if len(diverged) < self.num_groups:
+            with self._explain_failures(step):
+                self.inter_group_bytes += average_across_groups(
+                    tensors,
+                    self.fed_group,
+                    self.num_groups - len(diverged),
+                    contribute=get_rank(self.fed_group) not in diverged,
+                )
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for tensor, saved in zip(model_state_tensors(model), own, strict=True):
+                    tensor.copy_(saved)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        # A fresh run averages the initial weights into the first anchor; a resumed one restores its checkpoint's.
+        self._output_dir = args.output_dir
         if state.global_step == 0:
             self._last_synced_step = 0
-        self._output_dir = args.output_dir
+            self._average_initial_weights(model)
+        params = model_state_tensors(model)[: len(trainable_parameters(model))]
+        self.outer = OuterOptimizer(params, self.outer_lr, self.outer_momentum)
+        if state.global_step > 0:
+            if self._saved_outer_state is None:
+                raise RuntimeError(
+                    f"hf_fedshard: the checkpoint resumed at step {state.global_step} holds no anchor (fed_outer/); "
+                    "it was written before pseudo-gradient averaging. Resume from a newer checkpoint or start afresh."
+                )
+            self.outer.load_state_dict(self._saved_outer_state)
+
+    def _average_initial_weights(self, model: nn.Module) -> None:
+        """Step 0's plain average, so that groups initialised differently start from one global model."""
+        start = time.perf_counter()
+        with self._explain_failures(0):
+            self.inter_group_bytes += average_across_groups(model_state_tensors(model), self.fed_group, self.num_groups)
+        self.last_sync_seconds = time.perf_counter() - start
+        self.total_sync_seconds += self.last_sync_seconds
+        self.syncs += 1
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         due = state.global_step % self.sync_steps == 0
         evaluating = control.should_evaluate or _epoch_evaluation_follows(args, state, control)
         self._sync_if_needed(model, optimizer, state.global_step, due, evaluating, control.should_training_stop)
+        if self._diverged_at_step == state.global_step:
+            control.should_log = (
+                True  # a log at the divergence's step: Trainer's logging_nan_inf_filter hides NaN losses
+            )
 
     def on_epoch_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        step = state.global_step
-        self._sync_if_needed(model, optimizer, step, False, control.should_evaluate, control.should_training_stop)
+        self._sync_if_needed(model, optimizer, state.global_step, False, False, control.should_training_stop)
 
     def _sync_if_needed(
         self,
@@ -216,8 +350,8 @@ class FedAvgCallback(TrainerCallback):
         evaluating: bool,
         stopping: bool,
     ) -> None:
-        """Average when due, and before an evaluation or the end of training (after `before_eval`, if any)."""
-        if not (due or evaluating or stopping):
+        """Average when due and at the end of training; an evaluation right after sees each group first."""
+        if not (due or stopping):
             return
         if evaluating and self.before_eval is not None and step > self._last_synced_step:
             self.before_eval()

@@ -76,6 +76,16 @@ def wall_seconds(history: list[dict]) -> dict[int, float]:
     return seconds
 
 
+def divergence_steps(history: list[dict]) -> list[int]:
+    """Steps at which groups diverged: where the logged ``fed_diverged_groups`` rises (NaN losses are not logged)."""
+    steps, count = [], 0
+    for entry in history:
+        if entry.get("fed_diverged_groups", count) > count:
+            steps.append(entry["step"])
+            count = entry["fed_diverged_groups"]
+    return steps
+
+
 def _last(history: list[dict], key: str) -> dict:
     return next((entry for entry in reversed(history) if key in entry), {})
 
@@ -129,7 +139,10 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
             share = f" ({fed['fed_sync_seconds_total'] / train['train_runtime']:.1%} of training)" if train else ""
             rows.append(("Time in inter-group averaging (s, rank 0)", f"{fed['fed_sync_seconds_total']:.2f}{share}"))
         if fed.get("fed_diverged_groups"):
-            rows.append(("Diverged groups restarted from the others", str(fed["fed_diverged_groups"])))
+            steps = ", ".join(map(str, divergence_steps(history)))
+            rows.append(
+                ("Diverged groups restarted from the others", f"{fed['fed_diverged_groups']} (at step {steps})")
+            )
     if "train_runtime" in train:
         rows.append(("Training wall time (s)", f"{train['train_runtime']:.1f}"))
     return rows

@@ -9,7 +9,10 @@ where they would). A federated ``checkpoint-N/`` holds::
     fed_group{g}/model/               DCP checkpoint of group g's model shards, written by group g's ranks only
     fed_group{g}/optimizer/           DCP checkpoint of group g's optimizer state
     fed_group{g}/fedavg_rank{r}.json  FedAvg counters of rank r (syncs, bytes sent, last averaged step, ...)
+    fed_outer/position{p}.pt          anchor and outer momentum of the shards at position p of a group
+                                      (equal in every group: group 0 writes them, every group reads them)
     config.json, scheduler.pt, rng_state_{r}.pth, trainer_state.json   Trainer's own files
+    manifest.json                     every other file's size and SHA-256, written last (`hf_fedshard.manifest`)
 
 Everything is written into ``tmp-checkpoint-N/`` and renamed to ``checkpoint-N/`` once every rank has finished,
 so a job killed while saving leaves the previous checkpoints intact and no ``checkpoint-N`` that looks complete
@@ -43,10 +46,12 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .errors import ConfigError
+from .manifest import write_manifest
 from .mesh import FederationLayout
 
 FED_LAYOUT_NAME = "fed_layout.json"
 STAGING_PREFIX = "tmp-"
+DAMAGED_PREFIX = "damaged-"
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
@@ -55,20 +60,41 @@ def group_dir(checkpoint: str | Path, group_index: int) -> str:
     return os.path.join(checkpoint, f"fed_group{group_index}")
 
 
-def latest_complete_checkpoint(output_dir: str | Path) -> str | None:
-    """The ``checkpoint-N`` with the highest N that holds ``trainer_state.json`` (written last), or ``None``.
+def complete_checkpoints(output_dir: str | Path) -> list[str]:
+    """The ``checkpoint-N`` folders that hold ``trainer_state.json`` (written last), newest (highest N) first.
 
     Federated checkpoints appear by rename only when complete; the file test also skips a plain Trainer
     checkpoint whose job died while writing it.
     """
     if not os.path.isdir(output_dir):
-        return None
+        return []
     steps = [
         (int(match.group(1)), name)
         for name in os.listdir(output_dir)
         if (match := _CHECKPOINT_RE.match(name)) and os.path.isfile(os.path.join(output_dir, name, TRAINER_STATE_NAME))
     ]
-    return os.path.join(output_dir, max(steps)[1]) if steps else None
+    return [os.path.join(output_dir, name) for _, name in sorted(steps, reverse=True)]
+
+
+def latest_complete_checkpoint(output_dir: str | Path) -> str | None:
+    """The newest of `complete_checkpoints`, or ``None``."""
+    return next(iter(complete_checkpoints(output_dir)), None)
+
+
+def set_aside(checkpoint: str) -> str:
+    """Rename a damaged checkpoint to ``damaged-checkpoint-N[-k]`` (never delete it); return the new path.
+
+    The new name is invisible to resuming and to Trainer's rotation (both match ``checkpoint-*``), and a later save
+    of the same step writes a fresh ``checkpoint-N``.
+    """
+    run_dir, name = os.path.split(checkpoint)
+    target = os.path.join(run_dir, DAMAGED_PREFIX + name)
+    suffix = 1
+    while os.path.exists(target):
+        suffix += 1
+        target = os.path.join(run_dir, f"{DAMAGED_PREFIX}{name}-{suffix}")
+    os.rename(checkpoint, target)
+    return target
 
 
 def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -142,9 +168,12 @@ def write_layout_record(checkpoint: str, layout: FederationLayout, model: nn.Mod
 def check_resumable(checkpoint: str, layout: FederationLayout, model: nn.Module) -> None:
     """Raise `ConfigError` unless ``checkpoint`` was written by a run of this layout and model.
 
-    Reads one small file and no collective, so every rank raises the same error and none waits for the others.
+    With one group, only a federated checkpoint is checked (and refused): others are Trainer's own. Reads one small
+    file and no collective, so every rank raises the same error and none waits for the others.
     """
     path = os.path.join(checkpoint, FED_LAYOUT_NAME)
+    if not layout.federated and not os.path.isfile(path):
+        return
     if not os.path.isfile(path):
         raise ConfigError(
             f"resume_from_checkpoint={checkpoint} has no {FED_LAYOUT_NAME}: it was not written by a federated "
@@ -202,7 +231,8 @@ def atomic_checkpoint(final_dir: str, is_writer: bool) -> Iterator[str]:
     """Yield a staging folder for every rank to write into; publish it as ``final_dir`` when all are done.
 
     ``is_writer`` (Trainer's ``should_save``) prepares and renames, on the shared file system that DCP needs.
-    A collective over the world: the barriers make the rename wait for the slowest rank's last byte.
+    A collective over the world: the barriers make the rename wait for the slowest rank's last byte, and the
+    manifest (`hf_fedshard.manifest`) is written once every file is there.
     """
     run_dir, name = os.path.split(final_dir)
     staging = os.path.join(run_dir, STAGING_PREFIX + name)
@@ -213,8 +243,29 @@ def atomic_checkpoint(final_dir: str, is_writer: bool) -> Iterator[str]:
     dist.barrier()
     yield staging
     dist.barrier()
+    write_manifest(staging, is_writer)
     if is_writer:
         if os.path.isdir(final_dir):  # the same step saved again (a rerun in this output_dir)
             shutil.rmtree(final_dir)
         os.rename(staging, final_dir)
     dist.barrier()
+
+
+def outer_state_path(checkpoint: str | Path, position: int) -> str:
+    """The file of the anchor and outer momentum of the shards at ``position`` (rank within a group)."""
+    return os.path.join(checkpoint, "fed_outer", f"position{position}.pt")
+
+
+def save_outer_state(checkpoint: str, position: int, state: dict | None) -> None:
+    """Write one position's anchor and outer momentum (fp32 local shards; group 0's ranks write them)."""
+    if state is None:
+        return
+    path = outer_state_path(checkpoint, position)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(state, path)
+
+
+def load_outer_state(checkpoint: str, position: int) -> dict | None:
+    """One position's anchor and outer momentum, or ``None`` for a checkpoint written without them."""
+    path = outer_state_path(checkpoint, position)
+    return torch.load(path, weights_only=True) if os.path.isfile(path) else None

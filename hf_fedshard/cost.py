@@ -1,4 +1,4 @@
-"""Communication cost model of FSDP, HSDP, FL+FSDP and FL+HSDP on a two-tier network (``python -m hf_fedshard.cost``).
+"""Communication cost model of FSDP, HSDP, FL+FSDP and FL+HSDP on tiered networks (``python -m hf_fedshard.cost``).
 
 Two tiers: ranks of one node talk over a fast fabric (NVLink; loopback in the emulated cluster), nodes over a
 slow network (InfiniBand or Ethernet; a rate-limited veth in the emulation). Groups are blocks of contiguous
@@ -10,7 +10,8 @@ Notation
     U        FSDP units (transformer blocks, input embedding, [final norm, output head]): one collective call each
     b_p      bytes per element of the parameter all-gather (FSDP2's ``param_dtype``)
     b_g      bytes per element of the gradient reduction (FSDP2's ``reduce_dtype``)
-    b_s      bytes per element of FedAvg's all-reduce: 4, since hf_fedshard averages in fp32 whatever the dtype
+    b_s      bytes per element of an averaging's payload (``fed_sync_dtype``, `sync_bytes_per_value`): 4 for
+             float32, 2 for bfloat16, 1 + 4/256 for int8 (values and one fp32 scale per 256)
     W, R     world size, ranks per node
     G, S     group size (``fed_group_size``), shard size (``fed_shard_size``); Q = G / S replicas, F = W / G groups
     H        optimizer steps between two averagings (``fed_sync_steps``)
@@ -35,6 +36,10 @@ Per optimizer step (no gradient accumulation), each rank takes part in three rin
     replicate ring (Q ranks, HSDP only)    all-reduce  b_g · P / S                         (the gradient shard)
     fed ring (F ranks, one per group)      all-reduce  b_s · P / S, once every H steps      (FedAvg of the shard)
 
+With the FL+HSDP split exchange (``fed_split_exchange``) each replica sends 1/Q of the shard on the fed ring,
+b_s · P / (S Q), and the replicate ring all-gathers the fp32 mean, 4 · P / S, once every H steps. The averaging's
+all-to-all + all-gather sends what a ring all-reduce of the same wire bytes sends, 2 (F-1)/F of them per rank.
+
 Closed forms for groups that are whole nodes (G = multiple of R, S = R) or the whole world, with RING
 reduce-scatter; A = b_p (2P - P_once), inter-node bytes sent by one node per step (divide by R for one rank):
 
@@ -43,10 +48,26 @@ reduce-scatter; A = b_p (2P - P_once), inter-node bytes sent by one node per ste
     FL+FSDP  (G = S = R)         2 (F-1)/F · b_s P / H
     FL+HSDP  (G = Q R, S = R)    2 (Q-1)/Q · b_g P  +  2 (F-1)/F · b_s P / H
 
+Three tiers (``nodes_per_rack``): nodes sit in racks (the paper's machine: Dragonfly+ cells) of M contiguous
+nodes, K = W / (R M) racks, and a rack's uplink is slower than a node's link. A ring hop is inter-rack when its
+two ranks sit in different racks; it then crosses the sender's node link *and* its rack's uplink, so a node's
+link carries every inter-node hop (as in two tiers) and a rack's uplink the inter-rack hops of all its nodes.
+Bytes one rack sends to other racks per step, groups laid out as below (FL+HSDP's group = one rack):
+
+    FSDP     (S = W)                 (W-1)/W · (A + b_g P)                    (one hop of the world ring)
+    HSDP     (S = R, Q = W/R)        2 (Q-1)/Q · b_g P                         (R rings, one hop out each)
+    FL+FSDP  (G = S = R)             2 (F-1)/F · b_s P / H                     (R rings over F = K M groups)
+    FL+HSDP  (G = M R, S = R)        M · 2 (K-1)/K · b_s P / H                 (G rings of K ranks, one per rack)
+
+so HSDP puts as many bytes on a rack's uplink as on a node's link every step, while FL+HSDP's replicas
+all-reduce gradients inside the rack and only FedAvg crosses it, once every H steps.
+
 FSDP's inter-node traffic does not shrink with W: every node sends about three copies of the model per step.
 FL+FSDP's is the model once in fp32, twice, every H steps. Time per step: for each tier, the bytes through its
-busiest link divided by that link's bandwidth (a node's uplink for the inter tier, a rank's own link inside a
-node), plus one latency per ring step per collective call (FSDP2 makes one call per unit), plus compute.
+busiest link divided by that link's bandwidth (a rack's uplink for the inter-rack tier, a node's uplink for the
+inter tier, a rank's own link inside a node), summed over tiers (a conservative bound: a pipelined ring is
+limited by its slowest link, which the sum exceeds by the faster tiers' share), plus one latency per ring step
+per collective call (FSDP2 makes one call per unit), plus compute.
 ``serial`` adds communication to compute; ``overlapped`` takes the larger of the two (FSDP2 prefetching at best).
 """
 
@@ -58,11 +79,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from .averaging import BUCKET_BYTES
+from .codec import INT8_BLOCK
 from .mesh import FederationLayout
 
 RING = 1.0  # reduce-scatter bytes as a fraction of an all-reduce's (NCCL ring)
 GLOO = 2.0  # torch's gloo reduce_scatter_tensor all-reduces the input: measured by benchmarks/gloo_collectives.py
 FEDAVG_BYTES = 4  # hf_fedshard.averaging accumulates and sends in fp32 (or wider)
+
+
+def sync_bytes_per_value(sync_dtype: str) -> float:
+    """b_s: payload bytes per averaged value for ``fed_sync_dtype`` (int8 carries one fp32 scale per block)."""
+    return {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}[sync_dtype]
 
 
 @dataclass(frozen=True)
@@ -75,8 +102,9 @@ class ModelCost:
         units: U, FSDP units (one collective call each; only the latency term uses it).
         param_bytes: b_p, bytes per element of the all-gather (2 for bf16 ``param_dtype``).
         grad_bytes: b_g, bytes per element of the gradient reduction (4 for fp32 ``reduce_dtype``).
-        sync_bytes: b_s, bytes per element of FedAvg's all-reduce.
+        sync_bytes: b_s, bytes per element of an averaging's payload (`sync_bytes_per_value`).
         reduce_scatter: RING or GLOO (reduce-scatter as an all-reduce).
+        split_exchange: FL+HSDP's replicas each send 1/Q of the shard between groups, then all-gather.
     """
 
     params: int
@@ -84,8 +112,9 @@ class ModelCost:
     units: int
     param_bytes: int = 2
     grad_bytes: int = 4
-    sync_bytes: int = FEDAVG_BYTES
+    sync_bytes: float = FEDAVG_BYTES
     reduce_scatter: float = RING
+    split_exchange: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.once_params <= self.params:
@@ -105,12 +134,17 @@ class Network:
         inter_node_bytes_s: bandwidth of one node's uplink, each direction (all its NICs together).
         intra_node_bytes_s: bandwidth of one rank's link inside a node, each direction.
         inter_latency_s, intra_latency_s: cost of one ring step on that tier.
+        inter_rack_bytes_s: bandwidth of one rack's uplink to the other racks, each direction (all its global
+            links together); infinite for a two-tier network.
+        inter_rack_latency_s: cost of one ring step that crosses racks.
     """
 
     inter_node_bytes_s: float
     intra_node_bytes_s: float
     inter_latency_s: float = 0.0
     intra_latency_s: float = 0.0
+    inter_rack_bytes_s: float = math.inf
+    inter_rack_latency_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -133,6 +167,7 @@ class StepCost:
     inter_bytes_per_rank: float
     inter_bytes_per_node: float
     comm_s: float = 0.0
+    inter_rack_bytes_per_rack: float = 0.0  # three tiers only: bytes a rack's uplink sends to other racks
     compute_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -195,9 +230,14 @@ def step_collectives(model: ModelCost, layout: FederationLayout, sync_steps: int
             Collective("all_reduce", model.grad_bytes * shard_bytes, rings["replicate"], calls=model.units)
         )
     if layout.num_groups > 1 and sync_steps is not None:
-        sync = model.sync_bytes * shard_bytes
-        buckets = max(1, math.ceil(sync / BUCKET_BYTES))
+        split = layout.replicas if model.split_exchange else 1
+        sync = model.sync_bytes * shard_bytes / split
+        buckets = max(1, math.ceil(FEDAVG_BYTES * shard_bytes / BUCKET_BYTES))
         collectives.append(Collective("all_reduce", sync, rings["fed"], per_step=1 / sync_steps, calls=buckets))
+        if split > 1:  # the replicas' fp32 means, all-gathered inside the group
+            collectives.append(
+                Collective("all_gather", FEDAVG_BYTES * shard_bytes, rings["replicate"], 1 / sync_steps, buckets)
+            )
     return collectives
 
 
@@ -209,8 +249,12 @@ def step_cost(
     network: Network | None = None,
     compute_s: float = 0.0,
     method: str | None = None,
+    nodes_per_rack: int | None = None,
 ) -> StepCost:
-    """Bytes per rank and per node on each tier for one optimizer step, and its time on ``network``."""
+    """Bytes per rank, per node (and per rack) on each tier for one optimizer step, and its time on ``network``.
+
+    ``nodes_per_rack=None`` is a two-tier network (one rack holding every node).
+    """
     if ranks_per_node < 1 or layout.world_size % ranks_per_node:
         raise ValueError(
             f"ranks_per_node={ranks_per_node} must divide WORLD_SIZE({layout.world_size}): nodes hold equal "
@@ -219,19 +263,31 @@ def step_cost(
     if sync_steps is not None and sync_steps < 1:
         raise ValueError(f"sync_steps={sync_steps}: H must be at least 1 (or None for no averaging).")
     nodes = layout.world_size // ranks_per_node
-    intra = inter = comm_s = 0.0
+    per_rack = nodes if nodes_per_rack is None else nodes_per_rack
+    if per_rack < 1 or nodes % per_rack:
+        raise ValueError(
+            f"nodes_per_rack={nodes_per_rack} must divide the number of nodes, WORLD_SIZE({layout.world_size}) / "
+            f"ranks_per_node({ranks_per_node}) = {nodes}: racks hold equal numbers of nodes."
+        )
+    racks = nodes // per_rack
+    intra = inter = rack = comm_s = 0.0
     for coll in step_collectives(model, layout, sync_steps):
         ring_size = len(coll.rings[0])
         hop = ring_hop_bytes(coll.kind, ring_size, coll.payload_bytes, model.reduce_scatter) * coll.per_step
         hops = [ring_hops(ring, ranks_per_node) for ring in coll.rings]
+        rack_hops = sum(ring_hops(ring, ranks_per_node * per_rack)[1] for ring in coll.rings)
         coll_intra, coll_inter = hop * sum(h[0] for h in hops), hop * sum(h[1] for h in hops)
-        intra, inter = intra + coll_intra, inter + coll_inter
+        intra, inter, rack = intra + coll_intra, inter + coll_inter, rack + hop * rack_hops
         if network is not None:
-            crosses = any(h[1] for h in hops)
             steps = (2 if coll.kind == "all_reduce" else 1) * (ring_size - 1) * coll.calls * coll.per_step
             comm_s += coll_inter / nodes / network.inter_node_bytes_s
             comm_s += coll_intra / layout.world_size / network.intra_node_bytes_s
-            comm_s += steps * (network.inter_latency_s if crosses else network.intra_latency_s)
+            if rack_hops:
+                comm_s += hop * rack_hops / racks / network.inter_rack_bytes_s
+                comm_s += steps * network.inter_rack_latency_s
+            else:
+                crosses = any(h[1] for h in hops)
+                comm_s += steps * (network.inter_latency_s if crosses else network.intra_latency_s)
     return StepCost(
         method=method or layout.method,
         intra_bytes_per_rank=intra / layout.world_size,
@@ -239,7 +295,25 @@ def step_cost(
         inter_bytes_per_node=inter / nodes,
         comm_s=comm_s,
         compute_s=compute_s,
+        inter_rack_bytes_per_rack=rack / racks if nodes_per_rack is not None else 0.0,
     )
+
+
+OPTIMIZER_STATE_BYTES = 16  # fp32 parameter, gradient, and AdamW's two moments, per parameter
+OUTER_STATE_BYTES = 8  # an outer optimizer's fp32 anchor and momentum (DiLoCo-style), per parameter
+
+
+def model_state_bytes_per_rank(params: int, layout: FederationLayout, outer_optimizer: bool = False) -> float:
+    """Model state one rank holds: parameters, gradients and AdamW state in fp32 (and an outer optimizer's anchor
+    and momentum), sharded over the group's ``dp_shard`` axis; a replica or a whole-model method (DDP, LocalSGD:
+    a layout with shard size 1) holds all of it. Activations and FSDP2's gathered units come on top."""
+    per_param = OPTIMIZER_STATE_BYTES + (OUTER_STATE_BYTES if outer_optimizer else 0)
+    return per_param * params / layout.shard_size
+
+
+def largest_model_params(budget_bytes: float, layout: FederationLayout, outer_optimizer: bool = False) -> int:
+    """The most parameters whose model state fits ``budget_bytes`` per rank under ``layout``."""
+    return int(budget_bytes / model_state_bytes_per_rank(1, layout, outer_optimizer))
 
 
 def llama_parameters(
@@ -305,6 +379,7 @@ class Setting:
         inter_latency_s=5e-6,  # assumed per ring step across nodes
         intra_latency_s=1e-6,  # assumed per ring step inside a node
     )
+    nodes_per_rack: int | None = None  # three tiers: nodes per rack (cell); None: two tiers
 
     def layouts(self) -> dict[str, tuple[FederationLayout, int | None]]:
         """Each method's layout and H (``None`` when it does not average)."""
@@ -316,7 +391,9 @@ class Setting:
     def costs(self) -> dict[str, StepCost]:
         compute = compute_seconds(self.model.params, self.tokens_per_rank, self.peak_flop_s, self.mfu)
         return {
-            name: step_cost(self.model, layout, self.ranks_per_node, h, self.network, compute, name)
+            name: step_cost(
+                self.model, layout, self.ranks_per_node, h, self.network, compute, name, self.nodes_per_rack
+            )
             for name, (layout, h) in self.layouts().items()
         }
 
@@ -327,18 +404,58 @@ def paper_setting(**overrides) -> Setting:
     return replace(Setting(model=model), **overrides)
 
 
+# ---- Three tiers: Leonardo's Booster partition, the machine the paper's setting points to ----------------------
+# Published (https://leonardo-supercomputer.cineca.eu/hpc-system and CINECA's LEONARDO User Guide,
+# https://wiki.u-gov.it/confluence/display/SCAIUS/LEONARDO+User+Guide, read 2026-12-03): 3456 nodes of 4 A100
+# 64 GB; per node 2 × dual-port HDR100 (400 Gb/s aggregated); InfiniBand HDR in a Dragonfly+ topology, "a maximum
+# bandwidth of 200 Gbit/s between each pair of nodes"; NVLink 3.0 "200 GB/s". Not published there, so assumed
+# here: how many nodes a cell holds and how much its global links carry. The paper's code puts each FL+HSDP group
+# on one cell, so the 128 nodes are taken as 16 cells of 8, and the cells untapered: a cell's global links carry
+# its 8 nodes' 200 Gb/s each (1.6 Tb/s). The CLI sweeps that assumption.
+LEONARDO_PAIR_GBIT = 200.0  # between any two nodes (the system page); a ring hop is one pair
+LEONARDO_NODE_GBIT = 400.0  # a node's four HDR100 ports together (the system page)
+LEONARDO_NVLINK_BYTES_S = 200e9 / 2  # "NVLink 3.0 (200GB/s)" (User Guide), read as both directions together
+LEONARDO_CELL_NODES = 8  # assumed: one FL+HSDP group (8 nodes × 4 GPUs) per cell
+
+
+def leonardo_setting(cell_gbit: float | None = None, **overrides) -> Setting:
+    """The paper's workload on Leonardo's Booster as three tiers (GPU, node, Dragonfly+ cell), FedAvg in bf16.
+
+    ``cell_gbit``: bandwidth of a cell's global links to the other cells, Gb/s each way (default: untapered,
+    its nodes' pair bandwidth summed). bf16 FedAvg because the paper's authors averaged in bf16.
+    """
+    cell = LEONARDO_CELL_NODES * LEONARDO_PAIR_GBIT if cell_gbit is None else cell_gbit
+    base = paper_setting()
+    network = Network(
+        inter_node_bytes_s=LEONARDO_PAIR_GBIT * 1e9 / 8,
+        intra_node_bytes_s=LEONARDO_NVLINK_BYTES_S,
+        inter_latency_s=base.network.inter_latency_s,
+        intra_latency_s=base.network.intra_latency_s,
+        inter_rack_bytes_s=cell * 1e9 / 8,
+        inter_rack_latency_s=2 * base.network.inter_latency_s,  # assumed: a global hop adds a switch hop or two
+    )
+    model = replace(base.model, sync_bytes=2)
+    return replace(
+        base, model=model, network=network, nodes_per_rack=LEONARDO_CELL_NODES,
+        fl_hsdp_group=LEONARDO_CELL_NODES * base.ranks_per_node, **overrides,
+    )  # fmt: skip
+
+
 def speedups(costs: dict[str, StepCost], baseline: str = "FSDP", overlapped: bool = False) -> dict[str, float]:
     """Tokens/s of each method over ``baseline``'s: all methods process the same tokens per step."""
     time = (lambda c: c.overlapped_s) if overlapped else (lambda c: c.serial_s)
     return {name: time(costs[baseline]) / time(cost) for name, cost in costs.items()}
 
 
-def bandwidth_for_speedup(setting: Setting, method: str, target: float, baseline: str = "FSDP") -> float | None:
-    """Inter-node bandwidth (bytes/s per node) at which ``method`` is ``target``× faster than ``baseline``
-    (serial model), found by bisection on a log scale; ``None`` if no bandwidth in [1 Mb/s, 10 Tb/s] gives it."""
+def bandwidth_for_speedup(
+    setting: Setting, method: str, target: float, baseline: str = "FSDP", tier: str = "inter_node_bytes_s"
+) -> float | None:
+    """Bandwidth of ``tier`` (a `Network` field: bytes/s per node, or per rack for ``inter_rack_bytes_s``) at
+    which ``method`` is ``target``× faster than ``baseline`` (serial model), found by bisection on a log scale;
+    ``None`` if no bandwidth in [1 Mb/s, 10 Tb/s] gives it."""
 
     def gap(bw: float) -> float:
-        net = replace(setting.network, inter_node_bytes_s=bw)
+        net = replace(setting.network, **{tier: bw})
         return speedups(replace(setting, network=net).costs(), baseline)[method] - target
 
     low, high = 1e6 / 8, 1e13 / 8
@@ -420,6 +537,62 @@ def headline(setting: Setting, costs: dict[str, StepCost]) -> list[str]:
     ]
 
 
+def three_tier_report(setting: Setting) -> str:
+    """The projection on three tiers (``setting.nodes_per_rack`` set), the sweep over the inter-cell bandwidth,
+    the bandwidth at which FL+FSDP and FL+HSDP reach the paper's 8.04×, and what that requires."""
+    net, cell = setting.network, setting.nodes_per_rack
+    costs = setting.costs()
+    serial, overlap = speedups(costs), speedups(costs, overlapped=True)
+    fedavg = {2: "bf16", 4: "fp32"}.get(setting.model.sync_bytes, f"{setting.model.sync_bytes} B")
+    lines = [
+        f"Three tiers, Leonardo Booster: {setting.world_size} A100 = {setting.world_size // setting.ranks_per_node} "
+        f"nodes × {setting.ranks_per_node} in cells of {cell} nodes (assumed; FL+HSDP group = a cell); node pair "
+        f"{net.inter_node_bytes_s * 8 / 1e9:g} Gb/s (published; {LEONARDO_NODE_GBIT:g} Gb/s of ports per node), "
+        f"NVLink {net.intra_node_bytes_s / 1e9:g} GB/s each way (published 200 GB/s), cell uplink "
+        f"{net.inter_rack_bytes_s * 8 / 1e9:g} Gb/s (assumed); FedAvg in {fedavg}; MFU {setting.mfu:g}, H = "
+        f"{setting.sync_steps}.",
+        "",
+        "method    inter GB/node  inter-cell GB/cell  comm s   serial s  speedup serial, overlap",
+    ]
+    for name, c in costs.items():
+        lines.append(
+            f"{name:<9} {_gb(c.inter_bytes_per_node)}       {_gb(c.inter_rack_bytes_per_rack)}          "
+            f"{c.comm_s:7.3f}  {c.serial_s:7.3f}    {serial[name]:6.2f}× {overlap[name]:6.2f}×"
+        )
+    sweep = (12.5, 25, 50, 100, 200, 400, 800, 1600)
+    lines += ["", "Speedup over FSDP (serial model) against a cell's uplink bandwidth:"]
+    lines.append("Gb/s/cell " + "".join(f"{bw:>8g}" for bw in sweep))
+    at = [speedups(replace(setting, network=replace(net, inter_rack_bytes_s=bw * 1e9 / 8)).costs()) for bw in sweep]
+    for name in ("HSDP", "FL+FSDP", "FL+HSDP"):
+        lines.append(f"{name:<10}" + "".join(f"{speedup[name]:7.2f}×" for speedup in at))
+    lines.append("")
+    for name in ("FL+FSDP", "FL+HSDP"):
+        needed = bandwidth_for_speedup(setting, name, PAPER_HEADLINE_SPEEDUP, tier="inter_rack_bytes_s")
+        ceiling = costs["FSDP"].inter_rack_bytes_per_rack / costs[name].inter_rack_bytes_per_rack
+        reach = (
+            f"at a cell uplink of {needed * 8 / 1e9:.1f} Gb/s ({needed * 8 / 1e9 / cell:.2f} Gb/s per node of the cell)"
+            if needed is not None
+            else f"at no cell bandwidth: its ceiling (ratio of inter-cell bytes) is {ceiling:.2f}×"
+        )
+        lines.append(f"{name} reaches {PAPER_HEADLINE_SPEEDUP}× {reach}.")
+    fp32 = replace(setting, model=replace(setting.model, sync_bytes=4)).costs()
+    fp32_ceiling = costs["FSDP"].inter_rack_bytes_per_rack / fp32["FL+FSDP"].inter_rack_bytes_per_rack
+    lines += [
+        "",
+        f"What would have to be true for {PAPER_HEADLINE_SPEEDUP}×: in this model only FL+FSDP gets there, and only "
+        "when the links leaving a cell are the bottleneck of FSDP's step: the job's share of a cell's global links "
+        "around the figure above, an order of magnitude or two below its nodes' own links (a tapered Dragonfly+, "
+        "global links shared with other jobs, or FSDP's many concurrent all-gather and reduce-scatter flows "
+        "getting far less than the nominal rate), with FedAvg in bf16: in fp32 the ceiling is "
+        f"{fp32_ceiling:.2f}×, below {PAPER_HEADLINE_SPEEDUP}×. FL+HSDP, as hf_fedshard averages it (every replica "
+        f"all-reduces its shard across the cells, {cell} copies per cell), cannot: its replicas also all-reduce "
+        "gradients between the cell's nodes at every step, at the node tier's rate. None of the cell figures is "
+        "published with the machine's description; a measurement of FSDP's inter-cell throughput on the paper's "
+        "placement would settle which of these holds.",
+    ]
+    return "\n".join(lines)
+
+
 def make_parser() -> argparse.ArgumentParser:
     setting = paper_setting()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
@@ -433,6 +606,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sync-steps", type=int, default=setting.sync_steps, help="H.")
     parser.add_argument("--world-size", type=int, default=setting.world_size)
     parser.add_argument("--ranks-per-node", type=int, default=setting.ranks_per_node)
+    parser.add_argument("--cell-gbit", type=float, help="Three tiers: a Leonardo cell's uplink, Gb/s (untapered).")
     return parser  # fmt: skip
 
 
@@ -448,6 +622,8 @@ def main(argv: list[str] | None = None) -> None:
         network=replace(base.network, inter_node_bytes_s=args.inter_node_gbit * 1e9 / 8),
     )
     print(report(setting))
+    print()
+    print(three_tier_report(leonardo_setting(args.cell_gbit, sync_steps=args.sync_steps, mfu=args.mfu)))
 
 
 if __name__ == "__main__":

@@ -127,7 +127,8 @@ class FederationLayout:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The world mesh (fed, dp_replicate, dp_shard) plus the flattened axes Accelerate looks up.
 
-        - ``mesh["fed"]``: the inter-group process group, used only for averaging.
+        - ``mesh["fed"]``: the ranks holding the same shards in every group (averaging uses a copy of it with its
+          own timeout, `fed_process_group`).
         - ``mesh["dp_replicate", "dp_shard_cp"]``: the group's FSDP2/HSDP mesh given to ``fully_shard``.
         - ``mesh["dp"]``, ``mesh["dp_cp"]``: the group's data-parallel ranks (Accelerate's loss and metric axes).
         """
@@ -179,16 +180,19 @@ class FederatedParallelismConfig(ParallelismConfig):
         return layout.build_mesh(device_type)
 
 
-def fed_process_group(mesh: DeviceMesh, layout: FederationLayout, timeout_s: float | None = None) -> ProcessGroup:
+def fed_process_group(layout: FederationLayout, timeout_s: float) -> ProcessGroup:
     """The process group of this rank's peers in the other groups (same replica and shard position).
 
-    With ``timeout_s`` it is a new group with that timeout (every rank must call this, in the same order), so that
-    an averaging whose peers stopped answering fails within ``timeout_s`` instead of the world's ``ddp_timeout``.
+    A new group with its own timeout (every rank must call this, in the same order), so that an averaging whose
+    peers stopped answering fails within ``timeout_s``: the mesh's own groups get PyTorch's 30-minute default.
     """
-    if timeout_s is None:
-        return mesh.get_group(MeshAxis.FED.value)
     group, _ = new_subgroups_by_enumeration(layout.fed_peer_ranks(), timeout=timedelta(seconds=timeout_s))
     return group
+
+
+def replica_process_group(mesh: DeviceMesh) -> ProcessGroup:
+    """The process group of the HSDP replicas of this rank's shard inside its group (fast tier): split exchange."""
+    return mesh.get_group(MeshAxis.REPLICATE.value)
 
 
 def group_process_group(mesh: DeviceMesh) -> ProcessGroup:

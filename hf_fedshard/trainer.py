@@ -30,18 +30,29 @@ from .checkpoint import (
     latest_complete_checkpoint,
     load_group_model,
     load_group_optimizer,
+    load_outer_state,
     read_counters,
     save_group_model,
     save_group_optimizer,
+    save_outer_state,
     write_counters,
     write_layout_record,
 )
 from .errors import ConfigError
+from .exchange import Exchange, ProcessGroupCommunicator
 from .fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
 from .group_eval import evaluate_each_group
 from .group_gather import gathers_within_group
-from .mesh import FederationLayout, destroy_gloo_groups_at_exit, fed_process_group, group_process_group
+from .mesh import (
+    FederationLayout,
+    destroy_gloo_groups_at_exit,
+    fed_process_group,
+    group_process_group,
+    replica_process_group,
+)
 from .notices import notice
+from .resume import resumable_checkpoint
+from .timeouts import explain_stalled_collectives
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +109,22 @@ class FedShardMixin(Trainer):
         destroy_gloo_groups_at_exit()
         self.add_callback(TrainingClock())
         if self.fed_layout.federated:
+            fed_group = fed_process_group(self.fed_layout, self.args.fed_exchange_timeout_s)
+            split = self.args.fed_split_exchange and self.fed_layout.replicas > 1
+            replicas = ProcessGroupCommunicator(replica_process_group(self.fed_mesh)) if split else None
+            outer_lr, outer_momentum = self.args.fed_outer
             self.fed_callback = FedAvgCallback(
-                fed_group=fed_process_group(self.fed_mesh, self.fed_layout, self.args.fed_timeout_s),
+                fed_group=fed_group,
                 num_groups=self.fed_layout.num_groups,
                 sync_steps=self.args.fed_sync_steps,
                 average_optimizer_state=self.args.fed_average_optimizer_state,
                 group=self._group_pg if self.fed_layout.group_size > 1 else None,
                 timeout_s=self.args.fed_timeout_s,
                 before_eval=self._evaluate_each_group if self.args.fed_eval_per_group else None,
+                exchange=Exchange(ProcessGroupCommunicator(fed_group), self.args.fed_sync_dtype, replicas),
+                outer_lr=outer_lr,
+                outer_momentum=outer_momentum,
+                replicas=self.fed_layout.replicas,
             )
             self.add_callback(self.fed_callback)
 
@@ -157,6 +176,13 @@ class FedShardMixin(Trainer):
         with world_data_view(self.accelerator):
             return super()._get_dataloader(*args, **kwargs)
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        # Evaluate the global model (the groups' plain average); each group keeps training its own afterwards.
+        if self.fed_callback is None:
+            return super().evaluate(*args, **kwargs)
+        with self.fed_callback.global_model(self.model, self.state.global_step, evaluating=True):
+            return super().evaluate(*args, **kwargs)
+
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Per-step metric gathers in compute_loss (TRL's token accuracy, entropy) stay inside the group.
         if self.fed_callback is None:
@@ -165,7 +191,7 @@ class FedShardMixin(Trainer):
             return super().training_step(*args, **kwargs)
 
     def _evaluate_each_group(self) -> None:
-        """Evaluate every group's own model (FedAvgCallback calls this before averaging for an evaluation)."""
+        """Evaluate every group's own model (FedAvgCallback calls this before the global model is evaluated)."""
         fed = self.fed_callback
         metrics = evaluate_each_group(self, fed.group, fed.fed_group, fed.num_groups)
         self._group_eval = (self.state.global_step, metrics)
@@ -204,20 +230,24 @@ class FedShardMixin(Trainer):
     def train(
         self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs
     ):
-        # Pick the checkpoint (fed_auto_resume) and refuse bad input on every rank before any collective.
-        if resume_from_checkpoint is None and self.args.fed_auto_resume:
-            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is not None and self.args.should_log:
-                logger.warning("hf_fedshard: fed_auto_resume: resuming from %s", resume_from_checkpoint)
-        elif resume_from_checkpoint is True and self.fed_callback is not None:
-            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir) or True
-        if self.fed_callback is not None and isinstance(resume_from_checkpoint, str):
-            check_resumable(resume_from_checkpoint, self.fed_layout, self.model)
+        # Refuse bad input, then resume from a checkpoint that verifies (fed_auto_resume, True: the newest one).
         if self.args.fed_requested and has_length(self.train_dataset):
             self.args.check_train_dataset_size(len(self.train_dataset))
         if self.args.fed_requested:  # beside Trainer's "Total train batch size" (the world's), at the default level
             notice("%s; %s", self.fed_layout.describe(), self._batch_arithmetic())
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        auto = resume_from_checkpoint is None and self.args.fed_auto_resume
+        if self.fed_callback is not None:
+            resume_from_checkpoint = resumable_checkpoint(
+                resume_from_checkpoint, self.args, self.fed_layout, self.model
+            )
+        elif auto:
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
+        if isinstance(resume_from_checkpoint, str):
+            check_resumable(resume_from_checkpoint, self.fed_layout, self.model)  # one group refuses federated ones
+            if auto and self.args.should_log:
+                logger.warning("hf_fedshard: fed_auto_resume: resuming from %s", resume_from_checkpoint)
+        with explain_stalled_collectives(lambda: self.state.global_step, self.args.ddp_timeout):
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     @property
     def _group_pg(self) -> ProcessGroup:
@@ -280,6 +310,8 @@ class FedShardMixin(Trainer):
             self._save_rng_state(checkpoint)
         os.makedirs(group, exist_ok=True)
         write_counters(checkpoint, self._group_index, self.args.process_index, self.fed_callback.state_dict())
+        if self._group_index == 0:  # the anchor and outer momentum are the same in every group
+            save_outer_state(checkpoint, self.args.process_index, self.fed_callback.outer_state_dict())
         if self.args.should_save:
             write_layout_record(checkpoint, self.fed_layout, self.model)
             config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
@@ -314,6 +346,8 @@ class FedShardMixin(Trainer):
         load_group_model(model or self.model, os.path.join(group, "model"), self._group_pg)
         counters = read_counters(resume_from_checkpoint, self._group_index, self.args.process_index)
         self.fed_callback.load_state_dict(counters)
+        position = self.args.process_index % self.fed_layout.group_size
+        self.fed_callback.load_outer_state(load_outer_state(resume_from_checkpoint, position))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # Each group reads its own optimizer state; a save_only_model checkpoint has none, as with Trainer.
@@ -333,15 +367,16 @@ class FedShardMixin(Trainer):
         load_group_model(self.model, os.path.join(group, "model"), self._group_pg)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        # Export the global model in the Hugging Face format: average groups that drifted since the last
-        # averaging, and gather FSDP2's shards (Trainer writes nothing for FSDP2's default SHARDED_STATE_DICT).
+        # Export the global model in the Hugging Face format: the groups' plain average between averagings (each
+        # group gets its own model back), FSDP2's shards gathered (Trainer writes nothing for SHARDED_STATE_DICT).
         # Federated checkpoints never come here (see _save_checkpoint), so this gathers for exports only.
         if self.fed_callback is None:
             return super().save_model(output_dir, _internal_call)
-        self.fed_callback.sync_if_stale(self.model, self.optimizer, self.state.global_step)
-        if self.accelerator.state.fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
-            return super().save_model(output_dir, _internal_call)
-        self._save(output_dir or self.args.output_dir, state_dict=self.accelerator.get_state_dict(self.model))
+        with self.fed_callback.global_model(self.model, self.state.global_step):
+            if self.accelerator.state.fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
+                return super().save_model(output_dir, _internal_call)
+            state_dict = self.accelerator.get_state_dict(self.model)
+        self._save(output_dir or self.args.output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

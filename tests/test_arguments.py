@@ -172,4 +172,4 @@ def test_help_documents_every_fed_setting():
     for name in names:
         assert name in out
     assert "H: optimizer steps between two averagings" in out
-    assert "Resume from the latest complete checkpoint in output_dir" in " ".join(out.split())
+    assert "Resume from the newest checkpoint in output_dir that verifies" in " ".join(out.split())

@@ -11,9 +11,17 @@ import logging
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from hf_fedshard import FederationLayout, FedShardTrainingArguments, notices
-from hf_fedshard.checkpoint import check_resumable, latest_complete_checkpoint, write_layout_record
+from hf_fedshard import FederationLayout, FedShardTrainer, FedShardTrainingArguments, notices
+from hf_fedshard.card import divergence_steps
+from hf_fedshard.checkpoint import (
+    check_resumable,
+    complete_checkpoints,
+    latest_complete_checkpoint,
+    set_aside,
+    write_layout_record,
+)
 from hf_fedshard.errors import ConfigError
+from hf_fedshard.manifest import checksum_problem, describe_files, list_files, size_problem
 
 
 @pytest.fixture(autouse=True)
@@ -168,6 +176,57 @@ def test_fed_eval_per_group_without_effect_says_why(
         assert "fed_eval_per_group" not in caplog.text
     else:
         assert notice in caplog.text
+
+
+def test_one_group_refuses_a_federated_checkpoint(tmp_path, monkeypatch):
+    """In-process, one rank without fed settings: the same one-line refusal, not Transformers' "Can't find"."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "checkpoint-4").mkdir()
+    saved = saved_checkpoint(tmp_path / "checkpoint-4", FL_FSDP_4, llama())
+    args = FedShardTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1)
+    trainer = FedShardTrainer(model=llama(), args=args, train_dataset=[{"input_ids": [1, 2], "labels": [1, 2]}] * 4)
+    message = (
+        r"was written with fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=4, but this run has fed_group_size=1, "
+        r"fed_shard_size=1 on WORLD_SIZE=1\. Relaunch on 4 ranks"
+    )
+    with pytest.raises(ConfigError, match=message):
+        trainer.train(resume_from_checkpoint=saved)
+
+
+def test_manifest_finds_missing_truncated_and_altered_files(tmp_path):
+    for name, content in {"a.json": b"{}", "fed_group0/model/__0_0.distcp": b"x" * 100}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(content)
+    files = describe_files(str(tmp_path), list_files(str(tmp_path)))
+    assert list(files) == ["a.json", "fed_group0/model/__0_0.distcp"]
+    assert files["fed_group0/model/__0_0.distcp"]["bytes"] == 100
+    root = str(tmp_path)
+    assert size_problem(root, files, files) is None and checksum_problem(root, files, files) is None
+    shard = tmp_path / "fed_group0/model/__0_0.distcp"
+    shard.write_bytes(b"x" * 99 + b"y")  # same size, other bytes
+    assert size_problem(root, files, files) is None
+    assert checksum_problem(root, files, files).startswith("fed_group0/model/__0_0.distcp does not match its checksum")
+    shard.write_bytes(b"x" * 50)
+    assert size_problem(root, files, files) == "fed_group0/model/__0_0.distcp has 50 bytes, the manifest says 100"
+    shard.unlink()
+    assert size_problem(root, files, files) == "fed_group0/model/__0_0.distcp is missing"
+
+
+def test_damaged_checkpoints_are_renamed_aside_out_of_every_listing(tmp_path):
+    for step in (2, 4):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert set_aside(str(tmp_path / "checkpoint-4")) == str(tmp_path / "damaged-checkpoint-4")
+    (tmp_path / "checkpoint-4").mkdir()  # the same step, saved and damaged again
+    assert set_aside(str(tmp_path / "checkpoint-4")) == str(tmp_path / "damaged-checkpoint-4-2")
+    assert complete_checkpoints(tmp_path) == [str(tmp_path / "checkpoint-2")]
+    assert not list(tmp_path.glob("checkpoint-4*"))  # Trainer's rotation globs checkpoint-*
+
+
+def test_card_says_when_groups_diverged():
+    history = [{"step": 2, "fed_diverged_groups": 0}, {"step": 4, "fed_diverged_groups": 1},
+               {"step": 5, "fed_diverged_groups": 1}, {"step": 9, "fed_diverged_groups": 3}]  # fmt: skip
+    assert divergence_steps(history) == [4, 9]
 
 
 def test_notices_are_said_once_and_by_rank_0_only(monkeypatch, caplog):

@@ -1,5 +1,6 @@
 """The emulated cluster's harness removes every namespace and link it made: after a failure, a timeout, an
-exception, Ctrl-C, SIGTERM, and (on the next start) after SIGKILL."""
+exception, Ctrl-C, SIGTERM, and (on the next start) after SIGKILL; with three tiers, each tier's counters count
+what crossed it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from benchmarks.netns import Cluster, list_namespaces
+from benchmarks.netns import RACK_NETNS_ENV, Cluster, list_namespaces
 
 from .launch import REPO
 
@@ -32,7 +33,8 @@ def host_links() -> str:
 def assert_removed(names: list[str]) -> None:
     left = set(names) & set(list_namespaces())
     assert not left, f"namespaces left behind: {left}"
-    assert "uplink" not in host_links() and "port0" not in host_links()
+    for device in ("uplink", "port0", "trunk", "rack0"):
+        assert device not in host_links()
 
 
 def test_cluster_is_two_tier_and_counts_bytes():
@@ -47,13 +49,36 @@ def test_cluster_is_two_tier_and_counts_bytes():
     assert_removed(names)
 
 
-def test_failed_run_stops_the_other_nodes_and_leaves_nothing(tmp_path):
-    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    with Cluster(2) as cluster:
+def test_three_tier_cluster_counts_bytes_per_tier(tmp_path):
+    """2 racks × 2 nodes, 1000 Mbit/s node links, 100 Mbit/s rack uplinks: traffic inside a rack never touches
+    its trunk and runs at the node rate; traffic between racks crosses both, at the rack rate."""
+    with Cluster(4, rate_mbit=1000, racks=2, rack_rate_mbit=100) as cluster:
+        names = list(cluster.created)
+        assert len(names) == 7  # four nodes, two rack switches, the core
+        for src, dst, low, high, crosses in [(0, 1, 600, 1000, False), (0, 2, 60, 100, True)]:
+            node, rack = cluster.counters(src)["tx_bytes"], cluster.rack_counters(0)["tx_bytes"]
+            probe = cluster.probe_goodput(src, dst, seconds=1.0)
+            sent = cluster.counters(src)["tx_bytes"] - node
+            rack_sent = cluster.rack_counters(0)["tx_bytes"] - rack
+            assert low < probe["goodput_mbit"] <= high, (src, dst, probe)
+            assert sent > probe["goodput_mbit"] * 1e6 / 8 * 0.8
+            assert (rack_sent > 0.95 * sent) if crosses else (rack_sent < 0.01 * sent), (src, dst, sent, rack_sent)
+        logs = [tmp_path / f"node{i}.log" for i in range(4)]
+        echo = ["sh", "-c", f'echo "${RACK_NETNS_ENV}"']
+        assert cluster.run([echo] * 4, {}, logs, 60) == [0] * 4
+        assert [log.read_text().strip() for log in logs] == [cluster.switch(0), "", cluster.switch(1), ""]
+    assert_removed(names)
+
+
+@pytest.mark.parametrize("racks", [1, 2])
+def test_failed_run_stops_the_other_nodes_and_leaves_nothing(tmp_path, racks):
+    logs = [tmp_path / f"node{i}.log" for i in range(4)]
+    with Cluster(4, racks=racks, rack_rate_mbit=100) as cluster:
         names = list(cluster.created)
         start = time.monotonic()
-        codes = cluster.run([["sleep", "120"], [sys.executable, "-c", "raise SystemExit(3)"]], {}, logs, 60)
-        assert codes[1] == 3 and codes[0] != 0  # node 0 was killed, not waited for
+        fail = [sys.executable, "-c", "raise SystemExit(3)"]
+        codes = cluster.run([["sleep", "120"], fail, ["sleep", "120"], ["sleep", "120"]], {}, logs, 60)
+        assert codes[1] == 3 and codes[0] != 0 and codes[2] != 0  # the others were killed, not waited for
         assert time.monotonic() - start < 30
     assert_removed(names)
 
@@ -75,7 +100,7 @@ HARNESS = """
 import sys, time
 from pathlib import Path
 from benchmarks.netns import Cluster, handle_termination
-with handle_termination(), Cluster(2) as cluster:
+with handle_termination(), Cluster(4, racks=2, rack_rate_mbit=100) as cluster:
     sleeper = cluster.launch(0, ["sleep", "120"], {}, Path(sys.argv[1]))
     print("ready", sleeper.pid, flush=True)
     time.sleep(120)
@@ -114,7 +139,7 @@ def test_namespaces_of_a_killed_harness_are_removed_on_next_start(tmp_path):
     proc.kill()  # SIGKILL: no chance to clean up
     proc.wait(timeout=30)
     stale = [name for name in list_namespaces() if name.startswith(f"fsb{proc.pid}")]
-    assert len(stale) == 3
+    assert len(stale) == 7  # four nodes, two rack switches and the core of a three-tier cluster
     os.killpg(sleeper, signal.SIGKILL)  # the orphan it launched (its own process group)
     with Cluster(2) as cluster:
         names = list(cluster.created)

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from benchmarks.netns import list_namespaces
-from benchmarks.report import perplexity_at, window_throughputs
+from benchmarks.report import perplexity_at, variant_targets, window_throughputs
+from benchmarks.two_tier import BenchConfig, method_args
 
 from .launch import REPO
 
@@ -35,6 +36,26 @@ def test_perplexity_at_equal_time_takes_the_last_eval_within_it():
     evals = [{"step": 0, "train_clock_s": 0.0, "eval_loss": 5.0}, {"step": 4, "train_clock_s": 10.0, "eval_loss": 4.0}]
     assert perplexity_at(evals, 9.9)["step"] == 0
     assert perplexity_at(evals, 10.0) == {"step": 4, "train_clock_s": 10.0, "eval_perplexity": math.exp(4.0)}
+
+
+def test_variants_are_their_base_method_plus_settings():
+    cfg = BenchConfig(nodes=4, ranks_per_node=2)
+    assert method_args("FL+FSDP int8", cfg) == [*method_args("FL+FSDP", cfg), "--fed_sync_dtype", "int8"]
+    assert method_args("FL+HSDP", cfg)[-2:] == ["--fed_split_exchange", "false"]  # the unsplit row, as before
+    assert method_args("FL+HSDP split", cfg)[-2:] == ["--fed_split_exchange", "true"]
+
+
+def test_variant_targets_compare_bytes_with_fp32_and_the_model():
+    def method(inter: float, predicted: float, ppl: float) -> dict:
+        return {"inter_bytes_per_step": inter, "predicted": {"inter_bytes_per_step": predicted},
+                "final_eval_perplexity": ppl}  # fmt: skip
+
+    methods = {"FL+FSDP": method(400, 400, 100.0), "FL+FSDP int8": method(103, 101.5, 103.0)}
+    rows = {label: (value, bound, sense) for label, value, bound, sense in variant_targets(methods)}
+    assert rows["FL+FSDP int8 inter-node bytes ÷ fp32 FL+FSDP's (≈ 0.25)"] == (103 / 400, 0.25, "≈")
+    assert rows["FL+FSDP int8 eval ppl at equal tokens ≤ 1.02× fp32 FL+FSDP"] == (1.03, 1.02, "≤")
+    value, bound, _ = rows["FL+FSDP int8 inter-node bytes within 5% of the model (measured/predicted - 1)"]
+    assert value == pytest.approx(103 / 101.5 - 1) and bound == 0.05
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from hf_fedshard.cost import (
     ring_hops,
     speedups,
     step_cost,
+    sync_bytes_per_value,
 )
 from hf_fedshard.mesh import FederationLayout
 from hf_fedshard.models import PRESETS, llama_config
@@ -142,3 +143,117 @@ def test_cli_prints_projection_beside_the_headline(capsys):
     out = capsys.readouterr().out
     for text in ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", f"{PAPER_HEADLINE_SPEEDUP}×", "Why they differ", "100 Gb/s"):
         assert text in out
+
+
+def test_payload_dtype_scales_the_averaging_bytes():
+    assert [sync_bytes_per_value(d) for d in ("float32", "bfloat16")] == [4, 2]
+    assert sync_bytes_per_value("int8") == pytest.approx(1 + 4 / 256)  # one fp32 scale per 256 values
+    fp32 = ModelCost(params=1000, once_params=0, units=1, sync_bytes=4)
+    bf16 = ModelCost(params=1000, once_params=0, units=1, sync_bytes=2)
+    costs = [step_cost(m, FederationLayout(4, 2), 2, sync_steps=1).inter_bytes_per_node for m in (fp32, bf16)]
+    assert costs[1] * 2 == costs[0] == 4000
+
+
+def test_split_exchange_divides_the_inter_group_bytes_by_the_replicas():
+    """FL+HSDP, 8 ranks, 2 groups of 2 replicas × 2 shards, one node per group (R = 4), H = 1, P = 1000.
+
+    Unsplit: fed rings {j, 4 + j} all-reduce the 2000-byte shard: 2000 bytes a hop, 2 hops, 4 rings: 16000
+    across nodes. Split: each sends half the shard (8000), then the replicas all-gather the 2000-byte fp32 mean
+    inside the node (1000 a hop, 2 hops, 4 rings: 8000 more intra-node bytes).
+    """
+    layout = FederationLayout(8, 4, 2)
+    plain = ModelCost(params=1000, once_params=0, units=1, sync_bytes=4, grad_bytes=0, param_bytes=0)
+    split = ModelCost(params=1000, once_params=0, units=1, sync_bytes=4, grad_bytes=0, param_bytes=0,
+                      split_exchange=True)  # fmt: skip
+    unsplit_cost, split_cost = (step_cost(m, layout, 4, sync_steps=1) for m in (plain, split))
+    assert unsplit_cost.inter_bytes_per_node * 2 == 16000
+    assert split_cost.inter_bytes_per_node * 2 == 8000
+    assert (split_cost.intra_bytes_per_rank - unsplit_cost.intra_bytes_per_rank) * 8 == 8000
+
+
+def test_three_tiers_two_racks_exact_bytes():
+    """2 racks × 2 nodes × 2 ranks (W = 8), P = 1000, 4 B everywhere, H = 1.
+
+    HSDP (shard in a node, 4 replicas): replicate rings {0,2,4,6} and {1,3,5,7} all-reduce a 2000-byte shard,
+    2 × 3/4 × 2000 = 3000 bytes a hop; each ring leaves every node once (6000 per node) and each rack once
+    (hops 2->4 and 6->0 or 3->5 and 7->1): 6000 per rack. FL+HSDP (a group per rack, 2 replicas × 2 shards):
+    replicate rings {0,2}, {1,3}, {4,6}, {5,7} stay in the rack (2000 a hop, 4000 per node); fed rings {0,4},
+    {1,5}, {2,6}, {3,7} average a 2000-byte shard, 2000 a hop, every hop across racks: 4000 more per node and
+    4 hops × 2000 = 8000 per rack.
+    """
+    model = ModelCost(params=1000, once_params=0, units=1, param_bytes=4, grad_bytes=4, sync_bytes=4)
+    hsdp = step_cost(model, FederationLayout(8, 8, 2), 2, None, nodes_per_rack=2)
+    fl_hsdp = step_cost(model, FederationLayout(8, 4, 2), 2, 1, nodes_per_rack=2)
+    assert (hsdp.inter_bytes_per_node, hsdp.inter_rack_bytes_per_rack) == (6000, 6000)
+    assert (fl_hsdp.inter_bytes_per_node, fl_hsdp.inter_rack_bytes_per_rack) == (8000, 8000)
+    assert step_cost(model, FederationLayout(8, 4, 2), 2, 8, nodes_per_rack=2).inter_rack_bytes_per_rack == 1000
+    assert step_cost(model, FederationLayout(8, 4, 2), 2, 1).inter_rack_bytes_per_rack == 0  # two tiers
+
+
+def test_three_tier_time_adds_the_rack_uplink():
+    """HSDP above on links of 1000 B/s per node and 100 B/s per rack: 6000 / 1000 + 6000 / 100 = 66 s."""
+    model = ModelCost(params=1000, once_params=0, units=1, param_bytes=4, grad_bytes=4, sync_bytes=4)
+    network = Network(inter_node_bytes_s=1000, intra_node_bytes_s=math.inf, inter_rack_bytes_s=100)
+    cost = step_cost(model, FederationLayout(8, 8, 2), 2, None, network, nodes_per_rack=2)
+    assert cost.comm_s == pytest.approx(66.0)
+    two_tier = step_cost(model, FederationLayout(8, 8, 2), 2, None, network)
+    assert two_tier.comm_s == pytest.approx(6.0)  # one rack: its uplink is never crossed
+
+
+@pytest.mark.parametrize(("world", "per_node", "per_rack"), [(8, 2, 2), (16, 2, 2), (32, 4, 2), (512, 4, 8)])
+def test_three_tier_closed_forms_match_ring_counting(world, per_node, per_rack):
+    """The module docstring's bytes per rack uplink per step (RING reduce-scatter, H = 8, FL+HSDP group = rack)."""
+    model = ModelCost(P, ONCE, units=3, param_bytes=B_P, grad_bytes=B_G, sync_bytes=B_S)
+    a, nodes, h = B_P * (2 * P - ONCE), world // per_node, 8
+    racks, q = nodes // per_rack, world // per_node
+    expected = {
+        FederationLayout(world): (world - 1) / world * (a + B_G * P),
+        FederationLayout(world, world, per_node): 2 * (q - 1) / q * B_G * P,
+        FederationLayout(world, per_node): 2 * (nodes - 1) / nodes * B_S * P / h,
+        FederationLayout(world, per_rack * per_node, per_node): per_rack * 2 * (racks - 1) / racks * B_S * P / h,
+    }
+    for layout, per_rack_bytes in expected.items():
+        cost = step_cost(model, layout, per_node, h, nodes_per_rack=per_rack)
+        assert cost.inter_rack_bytes_per_rack == pytest.approx(per_rack_bytes), layout.method
+        two_tier = step_cost(model, layout, per_node, h)  # the node tier does not change with racks
+        assert cost.inter_bytes_per_node == pytest.approx(two_tier.inter_bytes_per_node), layout.method
+
+
+def test_racks_must_divide_the_nodes():
+    with pytest.raises(ValueError, match="nodes_per_rack=3 must divide the number of nodes"):
+        step_cost(ModelCost(P, ONCE, units=3), FederationLayout(8, 2), 2, 8, nodes_per_rack=3)
+
+
+def test_leonardo_three_tier_projection():
+    """bf16 FedAvg on cells of 8 nodes: FL+FSDP reaches the paper's 8.04× at some cell bandwidth, FL+HSDP at none."""
+    from dataclasses import replace
+
+    from hf_fedshard.cost import leonardo_setting
+
+    setting = leonardo_setting()
+    assert (setting.nodes_per_rack, setting.model.sync_bytes, setting.fl_hsdp_group) == (8, 2, 32)
+    costs = setting.costs()
+    # FSDP's world ring leaves each cell once per step, as it leaves each node: the same bytes on both tiers.
+    assert costs["FSDP"].inter_rack_bytes_per_rack == pytest.approx(costs["FSDP"].inter_bytes_per_node)
+    needed = bandwidth_for_speedup(setting, "FL+FSDP", PAPER_HEADLINE_SPEEDUP, tier="inter_rack_bytes_s")
+    at = replace(setting, network=replace(setting.network, inter_rack_bytes_s=needed))
+    assert speedups(at.costs())["FL+FSDP"] == pytest.approx(PAPER_HEADLINE_SPEEDUP, rel=1e-6)
+    assert bandwidth_for_speedup(setting, "FL+HSDP", PAPER_HEADLINE_SPEEDUP, tier="inter_rack_bytes_s") is None
+
+
+def test_cli_prints_the_three_tier_setting(capsys):
+    main(["--cell-gbit", "100"])
+    out = capsys.readouterr().out
+    for text in ("Three tiers, Leonardo Booster", "cell uplink 100 Gb/s", "FedAvg in bf16", "What would have to be"):
+        assert text in out
+
+
+def test_model_state_per_rank_and_largest_model():
+    """16 B per parameter (fp32 weights, gradients, two AdamW moments), 24 B with an outer optimizer, over S ranks."""
+    from hf_fedshard.cost import largest_model_params, model_state_bytes_per_rank
+
+    assert model_state_bytes_per_rank(1000, FederationLayout(8)) == 2000  # FSDP over 8 ranks
+    assert model_state_bytes_per_rank(1000, FederationLayout(8, 8, 2)) == 8000  # HSDP: shards of 2
+    assert model_state_bytes_per_rank(1000, FederationLayout(8, 1, 1)) == 16000  # LocalSGD: a whole model
+    assert model_state_bytes_per_rank(1000, FederationLayout(8, 2), outer_optimizer=True) == 12000
+    assert largest_model_params(64e9, FederationLayout(512, 4)) == 16_000_000_000  # 64 GB, FL+FSDP over 4 GPUs

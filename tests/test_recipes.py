@@ -58,7 +58,7 @@ def test_pretrain_writes_model_tokenizer_card_and_plot(pretrained):
     assert result.metric_type == "perplexity"
     assert result.metric_value == pytest.approx(results["eval_perplexity"], rel=1e-4)
     assert {"hf_fedshard", "fl-fsdp"} <= set(card.data.tags)
-    assert "| Federation groups | 2 |" in card.text and "| Inter-group syncs | 3 |" in card.text
+    assert "| Federation groups | 2 |" in card.text and "| Inter-group syncs | 4 |" in card.text
     assert "| Time in inter-group averaging (s, rank 0) |" in card.text
     assert "### Training hyperparameters" in card.text and "### Framework versions" in card.text  # Trainer's card
     assert "wall_seconds" not in card.text.lower().replace(" ", "_")

@@ -7,6 +7,9 @@ shards ends elsewhere (checked by breaking each: the final parameters then diffe
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import LlamaForCausalLM
 
 from hf_fedshard.checkpoint import latest_complete_checkpoint
+from hf_fedshard.manifest import checksum_problem, read_manifest
 
 from .launch import SCRIPTS, SGD, torchrun, train_tiny
 
@@ -57,7 +61,7 @@ def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 
 def test_each_group_saves_its_own_shards(reference, tmp_path):
-    out, _ = reference
+    out, runs = reference
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert not list(out.glob("tmp-*"))
     layout = json.loads((out / "checkpoint-2" / "fed_layout.json").read_text())
@@ -69,7 +73,12 @@ def test_each_group_saves_its_own_shards(reference, tmp_path):
     assert not torch.equal(between[0][name], between[1][name])  # groups differ between averagings
     assert all(torch.equal(on_sync[0][k], on_sync[1][k]) for k in on_sync[0])  # and agree right after one
     counters = json.loads((out / "checkpoint-4" / "fed_group1" / "fedavg_rank3.json").read_text())
-    assert (counters["syncs"], counters["last_synced_step"]) == (1, 4)
+    assert (counters["syncs"], counters["last_synced_step"]) == (2, 4)  # step 0's averaging, then step 4's
+    names = list(runs[0]["local_params"])  # the order of model.parameters(), which the anchor follows
+    for position in (0, 1):  # right after an averaging, each position's anchor is its shard of the model
+        anchor = torch.load(out / "checkpoint-4" / "fed_outer" / f"position{position}.pt")["anchor"]
+        for name, shard in zip(names, anchor, strict=True):
+            assert torch.equal(shard, on_sync[0][name].chunk(2)[position]), name
 
 
 def test_save_model_exports_the_global_model_in_hf_format(reference):
@@ -82,7 +91,7 @@ def test_save_model_exports_the_global_model_in_hf_format(reference):
 
 
 def test_save_model_between_averagings_exports_their_average(tmp_path):
-    """2 groups of 1 rank, H=4: save_model at step 3 averages the drifted groups first, then writes the average."""
+    """2 groups of 1 rank, H=4: save_model at step 3 writes the drifted groups' average; each group keeps its own."""
     args = ["--fed_group_size", "1", "--fed_sync_steps", "4", "--max_steps", "4", "--export_at_step", "3",
             "--export_dir", tmp_path / "export", *ADAMW]  # fmt: skip
     runs = train_tiny(2, tmp_path, args)
@@ -91,7 +100,9 @@ def test_save_model_between_averagings_exports_their_average(tmp_path):
     assert any(not torch.equal(group0[name], group1[name]) for name in group0)  # the groups had drifted
     for name, value in group0.items():
         torch.testing.assert_close(exported[name], (value + group1[name]) / 2, atol=1e-7, rtol=1e-6, msg=name)
-    assert runs[0]["fed_counters"]["syncs"] == 2  # the export's averaging, then step 4's
+    for run in runs:  # the export changed no group's model
+        assert all(torch.equal(run["params_after_export"][n], v) for n, v in run["params_before_export"].items())
+    assert runs[0]["fed_counters"]["syncs"] == 2  # step 0's averaging, then step 4's: the export is none
 
 
 def test_killed_rank_restarts_and_resumes_exactly(reference, tmp_path):
@@ -144,15 +155,51 @@ def test_silent_group_fails_the_others_within_fed_timeout(tmp_path):
     assert "no reply within fed_timeout_s=5 seconds" in result.stdout
 
 
+def _processes_mentioning(text: str) -> list[int]:
+    """Ids of the live processes whose command line holds ``text`` (a test's own tmp_path)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_stopped_rank_ends_the_job_within_the_timeouts(tmp_path):
+    """SIGSTOP of rank 3 (group 1) at step 3: group 0 fails in the world loss gather of logging after ddp_timeout.
+
+    Before the world group got ddp_timeout on CPU, group 0 waited PyTorch's 30-minute default there.
+    """
+    ddp_timeout, fed_timeout = 20, 10
+    args = ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, "--fed_group_size", "2", "--fed_sync_steps", "4",
+            "--max_steps", "8", "--ddp_timeout", ddp_timeout, "--fed_timeout_s", fed_timeout, "--stop_at_step", "3",
+            "--fault_rank", "3"]  # fmt: skip
+    result = torchrun(4, SCRIPT, args, timeout_s=400)
+    ended = time.time()
+    assert result.returncode != 0
+    stopped = float(re.search(r"rank 3 stopping at ([\d.]+)", result.stdout).group(1))
+    assert ended - stopped < max(ddp_timeout, fed_timeout) + 60, result.stdout[-3000:]  # the bound the README states
+    assert "a collective across ranks failed at step 3: a rank stopped answering (no reply within ddp_timeout=20" in (
+        result.stdout
+    )
+    assert not _processes_mentioning(str(tmp_path))  # the stopped rank too
+
+
 def test_diverged_group_restarts_from_the_others_and_all_diverged_stops(tmp_path):
-    """A NaN in group 1 after step 3 (healed at the averaging of step 4), then in both groups after step 5."""
+    """A NaN in group 1 after step 3 (healed at the averaging of step 4), then in both groups after step 5.
+
+    Logging every 5 steps, the divergence still gets a log at step 4 (Trainer's logging_nan_inf_filter hides the
+    NaN loss itself).
+    """
     args = ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, "--fed_group_size", "2", "--fed_sync_steps", "2",
             "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "1", *ADAMW,
-            "--nan_at", "3:1", "5:0,1"]  # fmt: skip
+            "--nan_at", "3:1", "5:0,1", "--logging_steps", "5"]  # fmt: skip
     result = torchrun(4, SCRIPT, args)
     out = result.stdout
     assert "group(s) [1] had NaN/Inf at step 4: left out of the average" in out
-    assert "'fed_diverged_groups': 1" in out
+    assert out.count("'fed_diverged_groups': 1") == 2  # logged at step 4 (the divergence's) and 5 (logging_steps)
     assert "checkpoint-3 not written: group(s) [1] hold NaN/Inf" in out
     assert "checkpoint-5 not written: group(s) [0, 1] hold NaN/Inf" in out
     assert result.returncode != 0
@@ -170,13 +217,84 @@ def test_diverged_group_restarts_from_the_others_and_all_diverged_stops(tmp_path
     assert not states[1][embed]["exp_avg"].any()
 
 
-def test_checkpoint_of_another_layout_fails_on_every_rank_without_hang(reference, tmp_path):
-    """train() refuses it on each rank before any collective (the in-process table holds the other cases)."""
-    args = [*FL_FSDP_RUN, "--fed_group_size", "1", "--resume_from_checkpoint", reference[0] / "checkpoint-2"]
+@pytest.mark.parametrize("group_size", ["1", "4"])
+def test_checkpoint_of_another_layout_fails_on_every_rank_without_hang(reference, tmp_path, group_size):
+    """train() refuses it on each rank before any collective (the in-process table holds the other cases).
+
+    4 groups of 1 resume it explicitly; one group of 4 picks it with fed_auto_resume (Transformers' "Can't find a
+    valid checkpoint" before one group checked the layout).
+    """
+    shutil.copytree(reference[0] / "checkpoint-2", tmp_path / "checkpoint-2")
+    resume = (
+        ["--resume_from_checkpoint", tmp_path / "checkpoint-2"] if group_size == "1" else ["--fed_auto_resume", "true"]
+    )
+    args = [*FL_FSDP_RUN, "--fed_group_size", group_size, *resume]
     result = torchrun(4, SCRIPT, ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, *args], 120)
     assert result.returncode != 0
-    message = "was written with fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=4, but this run has fed_group_size=1"
+    message = (
+        "was written with fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=4, but this run has "
+        f"fed_group_size={group_size}, fed_shard_size={group_size} on WORLD_SIZE=4. Relaunch on 4 ranks"
+    )
     assert result.stdout.count(message) == 4, result.stdout[-3000:]  # one line from every rank
+
+
+def damage(path: Path, how: str) -> None:
+    """Truncate a file to half its size, or flip one byte in its middle (same size: only a checksum sees it)."""
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(data)
+
+
+def shard(checkpoint: Path, group: int, what: str) -> Path:
+    return sorted((checkpoint / f"fed_group{group}" / what).glob("*.distcp"))[0]
+
+
+def test_damaged_checkpoints_are_skipped_together_and_set_aside(reference, tmp_path):
+    """checkpoint-6: group 1's model shard and group 0's optimizer shard truncated; checkpoint-4: one flipped byte
+    in group 1's model shard (sizes pass, its checksum does not). Under torchrun --max-restarts 1 the first attempt
+    skips both, resumes from checkpoint-2 and ends at the uninterrupted run's parameters: no crash loop.
+    """
+    out, ref = reference
+    for step in (2, 4, 6):
+        shutil.copytree(out / f"checkpoint-{step}", tmp_path / f"checkpoint-{step}")
+    damage(shard(tmp_path / "checkpoint-6", 1, "model"), "truncate")
+    damage(shard(tmp_path / "checkpoint-6", 0, "optimizer"), "truncate")
+    damage(shard(tmp_path / "checkpoint-4", 1, "model"), "flip")
+    args = ["--output_dir", tmp_path, "--dump_dir", tmp_path / "dump", *SGD, *FL_FSDP_RUN, "--fed_auto_resume", "true"]
+    result = torchrun(4, SCRIPT, args, 400, max_restarts=1)
+    out_text = result.stdout
+    assert result.returncode == 0, out_text[-6000:]
+    assert "will restart worker group" not in out_text  # the first attempt resumed
+    skipped_6 = re.search(r"skipping \S+checkpoint-6 \((.*)\); renamed to \S+damaged-checkpoint-6", out_text)
+    assert re.search(r"rank 0: fed_group0/optimizer/\S+ has [\d,]+ bytes, the manifest says", skipped_6.group(1))
+    assert re.search(r"rank 2: fed_group1/model/\S+ has [\d,]+ bytes, the manifest says", skipped_6.group(1))
+    skipped_4 = re.search(r"skipping \S+checkpoint-4 \((.*)\); renamed to \S+damaged-checkpoint-4", out_text)
+    assert re.search(r"rank [23]: fed_group1/model/\S+ does not match its checksum", skipped_4.group(1))
+    runs = [torch.load(tmp_path / "dump" / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    assert [run["started_at_step"] for run in runs] == [2] * 4
+    assert_same_run(runs, ref)
+    names = sorted(p.name for p in tmp_path.glob("*checkpoint-*"))
+    assert names == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "damaged-checkpoint-4", "damaged-checkpoint-6"]
+    for step in (4, 6):  # saved again over the damaged ones' names, with their own manifests
+        files = read_manifest(str(tmp_path / f"checkpoint-{step}"))
+        assert checksum_problem(str(tmp_path / f"checkpoint-{step}"), files, files) is None
+
+
+def test_explicit_checkpoint_that_does_not_verify_is_refused_naming_the_file(reference, tmp_path):
+    """A deleted group folder: every rank refuses it with the missing file's name, before training; kept in place."""
+    checkpoint = tmp_path / "checkpoint-4"
+    shutil.copytree(reference[0] / "checkpoint-4", checkpoint)
+    shutil.rmtree(checkpoint / "fed_group1")
+    args = [*FL_FSDP_RUN, "--resume_from_checkpoint", checkpoint]
+    result = torchrun(4, SCRIPT, ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, *args], 120)
+    assert result.returncode != 0
+    message = f"resume_from_checkpoint={checkpoint} does not verify: rank 2: fed_group1/"
+    assert result.stdout.count(message) == 4, result.stdout[-3000:]
+    assert re.search(r"rank 3: fed_group1/\S+ is missing", result.stdout)
+    assert checkpoint.is_dir()
 
 
 def test_load_best_model_at_end_reloads_each_groups_shards(tmp_path):

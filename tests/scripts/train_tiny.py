@@ -13,6 +13,7 @@ job restarted by ``torchrun --max-restarts`` runs clean:
 
     --kill_at_step 5 --fault_rank 1            SIGKILL rank 1 as step 5 begins
     --kill_while_saving_step 4 --fault_rank 1  SIGKILL rank 1 after it wrote its shards of checkpoint-4
+    --stop_at_step 5 --fault_rank 3            SIGSTOP rank 3 as step 5 begins (prints "stopping at <time>" first)
     --sleep_group 1 --sleep_at_step 2          group 1 sleeps --sleep_s seconds as step 2 begins
     --nan_at 3:1 5:0,1                         a NaN in group 1's first shard after step 3, in both after 5
 """
@@ -51,6 +52,7 @@ class ScriptArguments:
     )
     fault_rank: int = field(default=1, metadata={"help": "Rank that --kill_* faults kill."})
     kill_at_step: int | None = field(default=None, metadata={"help": "SIGKILL fault_rank as this step begins."})
+    stop_at_step: int | None = field(default=None, metadata={"help": "SIGSTOP fault_rank as this step begins."})
     kill_while_saving_step: int | None = field(
         default=None, metadata={"help": "SIGKILL fault_rank after it wrote its shards of this checkpoint."}
     )
@@ -59,6 +61,10 @@ class ScriptArguments:
     sleep_s: float = field(default=90.0, metadata={"help": "Seconds sleep_group sleeps."})
     record_eval_params: bool = field(
         default=False, metadata={"help": "Keep each group's full parameters at every evaluation, before averaging."}
+    )
+    record_syncs: bool = field(
+        default=False,
+        metadata={"help": "Keep this group's full parameters around every averaging, and each exchange's Δ and mean."},
     )
     nan_at: list[str] = field(
         default_factory=list, metadata={"help": "STEP:GROUPS events, e.g. 3:1 5:0,1: a NaN in those groups after STEP."}
@@ -133,6 +139,9 @@ class Faults(TrainerCallback):
             return
         if step == self.script.kill_at_step and self.rank == self.script.fault_rank:
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == self.script.stop_at_step and self.rank == self.script.fault_rank:
+            print(f"rank {self.rank} stopping at {time.time()}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         if step == self.script.sleep_at_step and self.group == self.script.sleep_group:
             time.sleep(self.script.sleep_s)
 
@@ -160,17 +169,52 @@ class EvalParamsRecorder:
         self.evaluate()
 
 
+class SyncRecorder(TrainerCallback):
+    """Wraps FedAvgCallback.sync and its exchange: full parameters before/after each averaging, local Δ and mean Δ.
+
+    Runs after FedAvgCallback, so ``on_train_begin`` sees the first anchor (the averaged initial weights).
+    """
+
+    def __init__(self, trainer: FedShardTrainer) -> None:
+        self.trainer = trainer
+        self.params: dict[int, tuple[dict, dict]] = {}
+        self.exchanges: dict[int, tuple[list, list]] = {}
+        self.start: dict[str, torch.Tensor] = {}
+        callback = trainer.fed_callback
+        self._sync, self._mean = callback.sync, callback.exchange.mean
+        callback.sync, callback.exchange.mean = self.sync, self.mean
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return {n: full_tensor(p) for n, p in self.trainer.model.named_parameters()}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = self.full_params()
+
+    def sync(self, model, optimizer, step: int) -> None:
+        before = self.full_params()
+        self._sync(model, optimizer, step)
+        self.params[step] = (before, self.full_params())
+
+    def mean(self, tensors, contributors):
+        means, sent = self._mean(tensors, contributors)
+        step = self.trainer.state.global_step
+        self.exchanges[step] = ([t.clone() for t in tensors], [m.clone() for m in means])
+        return means, sent
+
+
 class ExportMidTraining(TrainerCallback):
     """Calls save_model at the end of one step (after FedAvgCallback), keeping the parameters it found there."""
 
     def __init__(self, trainer: Trainer, step: int, export_dir: str) -> None:
         self.trainer, self.step, self.export_dir = trainer, step, export_dir
         self.params_before: dict[str, torch.Tensor] = {}
+        self.params_after: dict[str, torch.Tensor] = {}
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step == self.step:
             self.params_before = {n: full_tensor(p) for n, p in model.named_parameters()}
             self.trainer.save_model(self.export_dir)
+            self.params_after = {n: full_tensor(p) for n, p in model.named_parameters()}
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -214,6 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     if isinstance(trainer, FedShardTrainer):
         trainer.add_callback(Faults(script, args.process_index, trainer.fed_layout.group_index(args.process_index)))
     eval_params = EvalParamsRecorder(trainer) if script.record_eval_params else None
+    syncs = SyncRecorder(trainer) if script.record_syncs else None
+    if syncs is not None:
+        trainer.add_callback(syncs)
     exporter = None
     if script.export_at_step is not None:
         exporter = ExportMidTraining(trainer, script.export_at_step, script.export_dir)
@@ -234,6 +281,10 @@ def main(argv: list[str] | None = None) -> None:
         "started_at_step": recorder.started_at_step,
         "fed_counters": trainer.fed_callback.state_dict() if getattr(trainer, "fed_callback", None) else None,
         "params_before_export": exporter.params_before if exporter else None,
+        "params_after_export": exporter.params_after if exporter else None,
+        "sync_params": syncs.params if syncs else None,
+        "sync_exchanges": syncs.exchanges if syncs else None,
+        "start_params": syncs.start if syncs else None,
         "eval_params": eval_params.params if eval_params else None,
         "is_dtensor": [isinstance(p, DTensor) for p in trainer.model.parameters()],
         "placements": [str(pl) for pl in param.placements] if isinstance(param, DTensor) else None,

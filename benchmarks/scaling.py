@@ -1,0 +1,186 @@
+"""Scaling with the number of nodes: FSDP, HSDP, FL+FSDP, FL+HSDP and the ideal at 2, 4 and 8 nodes.
+
+As the paper's scaling figure: speedup over FSDP against the number of nodes of the two-tier emulated cluster,
+the cost model's prediction beside each point, and each method's share of the ideal at the same scale. Every
+scale runs benchmarks/two_tier.py's ``benchmark()`` ``--repeats`` times (a fresh cluster each time, methods in
+the same order), so each figure is a median over repetitions printed with its range (min–max).
+
+All ranks share this machine's 2 cores, so per-rank compute slows as ranks are added while the link rate stays:
+the compute-to-communication ratio is *not* that of a real cluster at larger scales. We do not rescale the link
+rates; instead each speedup is also reported against the ideal of the same scale (FL+FSDP whose groups never
+average, run side by side), which cancels the slower compute.
+
+    python benchmarks/scaling.py --quick    # 2 and 4 nodes × 2 ranks, FSDP, FL+FSDP, ideal, micro (≤ 5 min)
+    python benchmarks/scaling.py            # 2, 4, 8 nodes × 2 ranks, five methods, tiny, 2 repetitions
+
+Results (JSON, Markdown, PNG) go to ``--out`` (default benchmarks/results/scaling_<quick|full>/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.report import layout_of  # noqa: E402
+from benchmarks.two_tier import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
+from hf_fedshard.cost import model_state_bytes_per_rank  # noqa: E402
+
+METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal")
+
+
+def spread(values: list[float]) -> dict:
+    """Median and range of ``values``: what every figure of this study is printed with."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def point(runs: list[dict], method: str, cfg: dict) -> dict:
+    """One method at one scale over its repetitions: speedups, share of the ideal, prediction and memory."""
+    measured = [r["methods"][method] for r in runs]
+    fsdp = [r["methods"]["FSDP"] for r in runs]
+    pairs = zip(measured, fsdp, strict=True)
+    predicted = [f["predicted"]["s_per_step"] / m["predicted"]["s_per_step"] for m, f in pairs]
+    layout, _ = layout_of(method, cfg)
+    return {
+        "speedup_vs_fsdp": spread([m["speedup_vs_fsdp"] for m in measured]),
+        "fraction_of_ideal": spread([m["fraction_of_ideal"] for m in measured]),
+        "tokens_per_s": spread([m["tokens_per_s"] for m in measured]),
+        "window_tokens_per_s": [w for m in measured for w in m["window_tokens_per_s"]],
+        "predicted_speedup_vs_fsdp": statistics.median(predicted),
+        "memory_added_bytes": spread([m["memory_added_bytes_max"] for m in measured]),
+        "model_state_bytes_predicted": model_state_bytes_per_rank(measured[0]["params"], layout),
+    }
+
+
+def methods_at(nodes: int, methods: tuple[str, ...]) -> tuple[str, ...]:
+    """FL+HSDP puts 2 nodes in a group: with 2 nodes it would be one group (HSDP), so it runs from 4 nodes on."""
+    return tuple(m for m in methods if not (m == "FL+HSDP" and nodes < 4))
+
+
+def study(base: BenchConfig, scales: tuple[int, ...], repeats: int, work: Path, data_cache: Path) -> dict:
+    """Every scale, ``repeats`` times; the per-run results are kept whole in the JSON."""
+    points, raw = {}, {}
+    for nodes in scales:
+        cfg = replace(base, nodes=nodes, methods=methods_at(nodes, base.methods))
+        runs = []
+        for rep in range(repeats):
+            print(f"{nodes} nodes, repetition {rep + 1}/{repeats}", flush=True)
+            runs.append(benchmark(cfg, work / f"n{nodes}r{rep}" / "out", work / f"n{nodes}r{rep}", data_cache))
+        raw[nodes] = runs
+        points[nodes] = {m: point(runs, m, asdict(cfg)) for m in cfg.methods}
+    return {"config": asdict(base), "scales": list(scales), "repeats": repeats, "points": points, "runs": raw}
+
+
+def _r(s: dict, fmt: str = ".2f", scale: float = 1.0) -> str:
+    return f"{s['median'] * scale:{fmt}} ({s['min'] * scale:{fmt}}–{s['max'] * scale:{fmt}})"
+
+
+def markdown(results: dict) -> str:
+    cfg = results["config"]
+    lines = [
+        f"Two tiers, {cfg['ranks_per_node']} ranks per node, links {cfg['rate_mbit']:g} Mbit/s, Llama "
+        f"`{cfg['model_size']}`, {cfg['steps']} steps of (world × {cfg['batch_size']} × {cfg['block_size']}) tokens, "
+        f"H = {cfg['sync_steps']}; median (min–max) over {results['repeats']} repetition(s) of each run's median "
+        "window. Predicted: the cost model's step time with the ideal's measured step as compute. Memory: peak "
+        "resident memory less that before the model was built, largest rank; model state: the cost model's fp32 "
+        "parameters, gradients and AdamW state per rank.",
+        "",
+        "| nodes | method | speedup vs FSDP | predicted | share of ideal | tokens/s | memory MB/rank "
+        "| model state MB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for nodes, methods in results["points"].items():
+        for name, p in methods.items():
+            lines.append(
+                f"| {nodes} | {name} | {_r(p['speedup_vs_fsdp'])} | {p['predicted_speedup_vs_fsdp']:.2f} | "
+                f"{_r(p['fraction_of_ideal'], '.0f', 100)}% | {_r(p['tokens_per_s'], ',.0f')} | "
+                f"{_r(p['memory_added_bytes'], '.0f', 1e-6)} | {p['model_state_bytes_predicted'] / 1e6:.1f} |"
+            )
+    if "command" in results:
+        lines += ["", f"From one run of `{results['command']}`, started {results['started']}, "
+                      f"{results['wall_s']} s in all."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results: dict, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=100)
+    names = sorted({m for methods in results["points"].values() for m in methods}, key=METHODS.index)
+    for index, name in enumerate(names):
+        nodes = [int(n) for n, methods in results["points"].items() if name in methods]
+        pts = [results["points"][n][name] for n in nodes]
+        med = [p["speedup_vs_fsdp"]["median"] for p in pts]
+        err = [[m - p["speedup_vs_fsdp"]["min"] for m, p in zip(med, pts, strict=True)],
+               [p["speedup_vs_fsdp"]["max"] - m for m, p in zip(med, pts, strict=True)]]  # fmt: skip
+        line = ax.errorbar(nodes, med, yerr=err, marker="o", capsize=3, label=name)
+        ax.plot(nodes, [p["predicted_speedup_vs_fsdp"] for p in pts], "x--", color=line[0].get_color(),
+                alpha=0.6, label=f"{name} (model)" if index == 0 else None)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("nodes (2 ranks each)")
+    ax.set_ylabel("speedup over FSDP (tokens/s)")
+    ax.set_title("Median over repetitions (bars: min–max); x--: cost model", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "speedup_vs_nodes.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="2 and 4 nodes, FSDP, FL+FSDP, ideal, micro, 1 repetition.")
+    p.add_argument("--nodes", type=int, nargs="+", help="Scales (default 2 4 8; 2 4 with --quick).")
+    p.add_argument("--repeats", type=int, help="Repetitions per scale (default 2; 1 with --quick).")
+    p.add_argument("--methods", nargs="+", choices=METHODS, help="Default: all five (quick: FSDP, FL+FSDP, ideal).")
+    p.add_argument("--rate-mbit", type=float, default=100.0, help="Inter-node link rate, Mbit/s each way.")
+    p.add_argument("--steps", type=int, help="Steps per method (default 32; 16 with --quick).")
+    p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/scaling_<quick|full>).")
+    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    quick = args.quick
+    h = 4 if quick else 8
+    base = BenchConfig(
+        ranks_per_node=2, rate_mbit=args.rate_mbit, methods=tuple(args.methods or (
+            ("FSDP", "FL+FSDP", "ideal") if quick else METHODS)), model_size="micro" if quick else "tiny",
+        steps=args.steps or (16 if quick else 32), sync_steps=h, warmup_steps=h, eval_steps=args.steps or (
+            16 if quick else 32), eval_samples=32 if quick else 64,
+    )  # fmt: skip
+    scales = tuple(args.nodes or ((2, 4) if quick else (2, 4, 8)))
+    for nodes in scales:
+        replace(base, nodes=nodes, methods=methods_at(nodes, base.methods)).validate()
+    out = args.out or REPO / "benchmarks" / "results" / ("scaling_quick" if quick else "scaling_full")
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="fedshard-scaling-") as tmp:
+        results = study(base, scales, args.repeats or (1 if quick else 2), Path(tmp), args.data_cache)
+    results.update(command=shlex.join(["python", "benchmarks/scaling.py", *sys.argv[1:]]),
+                   started=time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+                   wall_s=round(time.time() - started))  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(results) + "\n")
+    plot(results, out)
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

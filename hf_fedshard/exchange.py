@@ -1,0 +1,179 @@
+"""The exchange: the mean over federation groups of each rank's fp32 payload, sent in the wire dtype.
+
+Rule, for G contributing groups, codec encode E and decode D (`hf_fedshard.codec`)::
+
+    mean = D(E(Σ_g D(E(x_g)) / G))
+
+An all-to-all of the encoded chunks gives each rank the G copies of the chunk it owns; it sums them in fp32,
+divides, re-encodes, and an all-gather hands every rank every owner's encoded chunk. Every group, the owner
+included, applies the decoded re-encoded values, so all groups decode the same bytes and stay bit-identical
+(the shape of torchft's quantised all-reduce). A bf16 all-reduce would instead sum in bf16 at every hop.
+float32 needs no re-encoding: it is one fp32 all-reduce.
+
+FL+HSDP split exchange: the Q replicas of a group hold the same shard, so replica r exchanges only chunk r of
+the payload (1/Q of it) across groups, then the group all-gathers the Q means over its replicas (fast tier):
+the slow tier carries the payload once per group instead of Q times.
+
+Collectives go through a `Communicator`, so the arithmetic is tested in-process with a fake one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup, ReduceOp, all_gather_into_tensor, all_reduce, all_to_all_single
+
+from .averaging import BUCKET_BYTES
+from .codec import Encoded, alignment, decode, encode
+
+
+class Communicator(Protocol):
+    """The collectives the exchange needs, over one group of ranks."""
+
+    def size(self) -> int: ...
+
+    def rank(self) -> int: ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None: ...
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
+
+
+class ProcessGroupCommunicator:
+    """A `Communicator` over a torch.distributed process group (gloo or NCCL)."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def size(self) -> int:
+        return torch.distributed.get_world_size(self.group)
+
+    def rank(self) -> int:
+        return torch.distributed.get_rank(self.group)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        all_reduce(tensor, op=ReduceOp.SUM, group=self.group)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        all_to_all_single(output, input, group=self.group)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        all_gather_into_tensor(output, input, group=self.group)
+
+
+def _pad(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    return F.pad(x, (0, -x.numel() % multiple))
+
+
+def _all_to_all(comm: Communicator, payload: Encoded) -> Encoded:
+    values = torch.empty_like(payload.values)
+    comm.all_to_all(values, payload.values)
+    scales = None
+    if payload.scales is not None:
+        scales = torch.empty_like(payload.scales)
+        comm.all_to_all(scales, payload.scales)
+    return Encoded(values, scales)
+
+
+def _all_gather(comm: Communicator, payload: Encoded) -> Encoded:
+    parts = comm.size()
+    values = payload.values.new_empty(parts * payload.values.numel())
+    comm.all_gather(values, payload.values)
+    scales = None
+    if payload.scales is not None:
+        scales = payload.scales.new_empty(parts * payload.scales.numel())
+        comm.all_gather(scales, payload.scales)
+    return Encoded(values, scales)
+
+
+def mean_over_groups(
+    x: torch.Tensor, fed: Communicator, contributors: int, sync_dtype: str
+) -> tuple[torch.Tensor, int]:
+    """The mean of flat fp32 ``x`` over the ``fed`` peers (``contributors`` of them send non-zero values).
+
+    Returns the mean (a new tensor, ``x``'s length) and the payload bytes this rank sent, scales included.
+    """
+    if sync_dtype == "float32":
+        total = x.float().clone()
+        fed.all_reduce_sum(total)
+        return total.div_(contributors), total.numel() * total.element_size()
+    groups = fed.size()
+    padded = _pad(x.float(), groups * alignment(sync_dtype))
+    payload = encode(padded, sync_dtype)
+    received = _all_to_all(fed, payload)  # row g: group g's copy of the chunk this rank owns
+    owned = decode(received).view(groups, -1).sum(dim=0).div_(contributors)
+    gathered = _all_gather(fed, encode(owned, sync_dtype))
+    return decode(gathered)[: x.numel()], payload.nbytes
+
+
+def split_mean_over_groups(
+    x: torch.Tensor, fed: Communicator, replicas: Communicator, contributors: int, sync_dtype: str
+) -> tuple[torch.Tensor, int]:
+    """`mean_over_groups` with the payload split over the group's replicas (identical ``x`` on each)."""
+    parts = replicas.size()
+    chunks = _pad(x.float(), parts * alignment(sync_dtype)).view(parts, -1)
+    mine, sent = mean_over_groups(chunks[replicas.rank()], fed, contributors, sync_dtype)
+    gathered = mine.new_empty(chunks.numel())
+    replicas.all_gather(gathered, mine.contiguous())
+    return gathered[: x.numel()], sent
+
+
+def _bucket_ranges(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[tuple[int, int]]:
+    """[start, stop) index ranges of consecutive tensors holding at most ``bucket_bytes`` of fp32 (at least one)."""
+    ranges, start, size = [], 0, 0
+    for i, tensor in enumerate(tensors):
+        nbytes = tensor.numel() * 4
+        if i > start and size + nbytes > bucket_bytes:
+            ranges.append((start, i))
+            start, size = i, 0
+        size += nbytes
+    if start < len(tensors):
+        ranges.append((start, len(tensors)))
+    return ranges
+
+
+class Exchange:
+    """Means over groups of lists of fp32 tensors, in buckets, with the codec and (FL+HSDP) the replica split.
+
+    Args:
+        fed: this rank's peers at the same position in the other groups.
+        sync_dtype: the wire dtype (``fed_sync_dtype``).
+        replicas: this rank's replicas inside its group, to split the payload over; ``None``: no split.
+        bucket_bytes: fp32 bytes of payload exchanged per collective.
+    """
+
+    def __init__(
+        self,
+        fed: Communicator,
+        sync_dtype: str = "float32",
+        replicas: Communicator | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
+        self.fed = fed
+        self.sync_dtype = sync_dtype
+        self.replicas = replicas if replicas is not None and replicas.size() > 1 else None
+        self.bucket_bytes = bucket_bytes
+
+    @torch.no_grad()
+    def mean(self, tensors: Sequence[torch.Tensor], contributors: int) -> tuple[list[torch.Tensor], int]:
+        """The mean over groups of each fp32 tensor (new tensors), and the payload bytes this rank sent."""
+        means: list[torch.Tensor] = []
+        sent = 0
+        for start, stop in _bucket_ranges(tensors, self.bucket_bytes):
+            bucket = tensors[start:stop]
+            flat = torch.cat([t.reshape(-1).float() for t in bucket])
+            if not flat.numel():  # empty shards (FSDP2's uneven split): the same on every peer, nothing to send
+                means += [t.float().clone() for t in bucket]
+                continue
+            if self.replicas is None:
+                mean, nbytes = mean_over_groups(flat, self.fed, contributors, self.sync_dtype)
+            else:
+                mean, nbytes = split_mean_over_groups(flat, self.fed, self.replicas, contributors, self.sync_dtype)
+            sent += nbytes
+            means += [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in bucket]), bucket, strict=True)]
+        return means, sent

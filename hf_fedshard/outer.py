@@ -1,0 +1,68 @@
+"""The anchor and the outer optimizer: the global model each rank keeps, and how an averaging moves it.
+
+Rule, on this rank's local shards (the anchor is the shard of the global model after the previous averaging)::
+
+    Δ_g = anchor − local_g;   anchor ← OuterSGD(anchor, grad = mean_g Δ_g);   local_g ← anchor
+
+``fedavg``: OuterSGD is SGD with lr 1 and no momentum, so anchor ← mean_g local_g (today's parameter average, to
+fp32 rounding). ``nesterov``: ``torch.optim.SGD(lr, momentum, nesterov=True)`` (DiLoCo; 0.7 and 0.9 by default,
+as DiLoCo, torchft and OpenDiLoCo). The anchor and the momentum are fp32 whatever the parameters' dtype; they
+are equal in every group, since every group applies the same mean Δ to the same anchor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+OUTER_OPTIMIZERS = ("fedavg", "nesterov")
+NESTEROV_DEFAULTS = {"lr": 0.7, "momentum": 0.9}
+
+
+def outer_hyperparameters(name: str, lr: float | None, momentum: float | None) -> tuple[float, float]:
+    """(lr, momentum) of the outer SGD: fedavg's fixed (1, 0), or nesterov's with its defaults filled in."""
+    if name == "fedavg":
+        return 1.0, 0.0
+    return (
+        NESTEROV_DEFAULTS["lr"] if lr is None else lr,
+        NESTEROV_DEFAULTS["momentum"] if momentum is None else momentum,
+    )
+
+
+class OuterOptimizer:
+    """This rank's anchor (fp32 copies of its local shards) and the SGD that steps it with mean Δ.
+
+    Args:
+        tensors: the local shards that averagings move (trainable parameters), in a fixed order.
+        lr, momentum: the outer SGD's; Nesterov momentum whenever ``momentum > 0``.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], lr: float = 1.0, momentum: float = 0.0) -> None:
+        self.anchor = [t.detach().float().clone() for t in tensors]
+        self.optimizer = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    @torch.no_grad()
+    def deltas(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Δ = anchor − local, in fp32: what this group moved since the last averaging, with the sign of a gradient."""
+        return [a - t.float() for a, t in zip(self.anchor, tensors, strict=True)]
+
+    @torch.no_grad()
+    def step(self, mean_deltas: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
+        """Step the anchor with mean Δ as its gradient, then move the local shards onto it."""
+        for anchor, delta in zip(self.anchor, mean_deltas, strict=True):
+            anchor.grad = delta
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for anchor, tensor in zip(self.anchor, tensors, strict=True):
+            tensor.copy_(anchor)
+
+    def state_dict(self) -> dict:
+        """The anchor and the outer momentum: what a checkpoint needs to continue exactly."""
+        return {"anchor": self.anchor, "optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for anchor, saved in zip(self.anchor, state["anchor"], strict=True):
+            anchor.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,125 @@
+"""Which checkpoint a federated run resumes from: the newest that verifies, agreed by every rank.
+
+Every rank checks the sizes of the files it will read (the checkpoint's top-level files and its group's folder)
+in every candidate; one collective tells all ranks which candidates passed everywhere. The newest of those is
+then checksummed, each rank hashing its share of the files it reads, and one more collective agrees on the
+result: a mismatch on any rank makes all ranks move on to the next candidate, together. Candidates with verified
+damage are renamed aside (`set_aside`), so a restarted job never tries them again; a checkpoint without a
+manifest cannot be verified and is skipped but left in place. An explicit path that does not verify is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch.distributed as dist
+from torch import nn
+
+from .arguments import FedShardTrainingArguments
+from .checkpoint import FED_LAYOUT_NAME, check_resumable, complete_checkpoints, group_dir, set_aside
+from .errors import ConfigError
+from .manifest import MANIFEST_NAME, checksum_problem, read_manifest, size_problem
+from .mesh import FederationLayout
+
+logger = logging.getLogger(__name__)
+
+Problems = dict[int, str]  # rank -> what that rank found wrong with one checkpoint
+
+
+def resumable_checkpoint(
+    requested: str | bool | None, args: FedShardTrainingArguments, layout: FederationLayout, model: nn.Module
+) -> str | bool | None:
+    """What ``train()`` resumes from: ``requested`` verified, or for ``True``/``fed_auto_resume`` the newest
+    checkpoint of ``output_dir`` that verifies (``None``: start afresh). A collective when there is a candidate.
+
+    Raises `ConfigError` (on every rank) for a checkpoint of another layout or model, an explicit path that does
+    not verify, or when no candidate of ``output_dir`` verifies.
+    """
+    if requested is None and not args.fed_auto_resume:
+        return None
+    explicit = isinstance(requested, str)
+    candidates = [requested] if explicit else complete_checkpoints(args.output_dir)
+    if not candidates:
+        return requested
+    rank = args.process_index
+    sizes = _gather([_size_problem(c, layout, model, rank) for c in candidates])
+    skipped: list[tuple[str, Problems]] = []
+    chosen = None
+    for index, checkpoint in enumerate(candidates):
+        problems = {r: found[index] for r, found in enumerate(sizes) if found[index]}
+        if not problems:
+            checksums = _gather(_checksum_problem(checkpoint, layout, rank))
+            problems = {r: found for r, found in enumerate(checksums) if found}
+        if not problems:
+            chosen = checkpoint
+            break
+        skipped.append((checkpoint, problems))
+    if explicit and skipped:
+        raise ConfigError(f"resume_from_checkpoint={requested} does not verify: {_describe(skipped[0][1])}. "
+                          "Resume from another checkpoint (or none).")  # fmt: skip
+    _set_aside_damaged(skipped, args.should_save)
+    if chosen is None:
+        listing = "; ".join(f"{os.path.basename(c)}: {_describe(p)}" for c, p in skipped)
+        raise ConfigError(
+            f"no checkpoint of {args.output_dir} verifies ({listing}). Damaged ones were renamed "
+            "damaged-checkpoint-N; start afresh in another output_dir, or repair and rename one back."
+        )
+    return chosen
+
+
+def _gather(found: object) -> list:
+    """Every rank's ``found``, in rank order (one collective over the world)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, found)
+    return everyone
+
+
+def _files_read_by(files: dict, group_index: int) -> list[str]:
+    """The files a rank of group ``group_index`` reads: the checkpoint's top-level ones and its group's folder."""
+    prefix = os.path.basename(group_dir("", group_index)) + "/"
+    return [path for path in files if "/" not in path or path.startswith(prefix)]
+
+
+def _size_problem(checkpoint: str, layout: FederationLayout, model: nn.Module, rank: int) -> str | None:
+    """What is wrong with ``checkpoint`` for this rank (sizes), ``None`` if nothing; `ConfigError` for bad input."""
+    try:
+        files = read_manifest(checkpoint)
+    except ValueError as err:
+        return str(err)
+    if files is None:
+        if not os.path.isfile(os.path.join(checkpoint, FED_LAYOUT_NAME)):
+            check_resumable(checkpoint, layout, model)  # refuses what no federated run wrote
+        return f"{MANIFEST_NAME} is missing"
+    top_level = [path for path in files if "/" not in path]
+    problem = size_problem(checkpoint, files, top_level)
+    if problem is None:
+        check_resumable(checkpoint, layout, model)  # another layout or model is bad input, not damage
+        problem = size_problem(checkpoint, files, _files_read_by(files, layout.group_index(rank)))
+    return problem
+
+
+def _checksum_problem(checkpoint: str, layout: FederationLayout, rank: int) -> str | None:
+    """Hash this rank's share: its group's files split among the group, the top-level ones among the world."""
+    files = read_manifest(checkpoint)
+    group = layout.group_index(rank)
+    own = [path for path in _files_read_by(files, group) if "/" in path]
+    top_level = [path for path in files if "/" not in path]
+    position = rank - group * layout.group_size
+    share = own[position :: layout.group_size] + top_level[rank :: layout.world_size]
+    return checksum_problem(checkpoint, files, share)
+
+
+def _describe(problems: Problems) -> str:
+    return "; ".join(f"rank {rank}: {problem}" for rank, problem in sorted(problems.items()))
+
+
+def _set_aside_damaged(skipped: list[tuple[str, Problems]], is_writer: bool) -> None:
+    """Say what was skipped and why; rename aside those with verified damage (those with a manifest)."""
+    if not is_writer:
+        return
+    for checkpoint, problems in skipped:
+        damaged = os.path.isfile(os.path.join(checkpoint, MANIFEST_NAME))
+        target = set_aside(checkpoint) if damaged else None
+        renamed = f"; renamed to {target}" if target else ""
+        logger.warning("hf_fedshard: skipping %s (%s)%s", checkpoint, _describe(problems), renamed)

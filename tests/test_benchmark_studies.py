@@ -1,0 +1,82 @@
+"""The scaling and quality studies' arithmetic (no cluster, no training): run shapes, spreads, the √-lr rule,
+and the three-tier report's predictions and targets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import quality, scaling
+from benchmarks.report import predicted, targets
+
+
+def test_quality_runs_hold_tokens_and_per_device_batch_fixed():
+    cfg = quality.QualityConfig(worlds=(4, 8, 16), tokens=16 * 4 * 128 * 24)
+    assert [cfg.steps(w) for w in cfg.worlds] == [96, 48, 24]  # bigger worlds: fewer, larger steps
+    nproc, args = quality.run_args(cfg, "FSDP", 16, seed=1)
+    assert nproc == 2 and args[args.index("--gradient_accumulation_steps") + 1] == "8"  # 16 × 4 samples per update
+    nproc, args = quality.run_args(cfg, "FL+FSDP", 16, seed=1)
+    assert nproc == 16 and args[args.index("--fed_group_size") + 1] == "2"
+    assert cfg.learning_rate_of("FSDP √-lr", 16) == pytest.approx(cfg.learning_rate * math.sqrt(8))
+    assert cfg.learning_rate_of("FSDP", 16) == cfg.learning_rate_of("FL+FSDP", 16) == cfg.learning_rate
+
+
+def test_quality_rejects_a_budget_that_is_not_whole_steps():
+    with pytest.raises(ValueError, match="--tokens=1000 must be a multiple of the world batch 2048 at W=4"):
+        quality.QualityConfig(worlds=(4,), tokens=1000).validate()
+    with pytest.raises(ValueError, match="H=5"):
+        quality.QualityConfig(worlds=(4,), tokens=4 * 4 * 128 * 8, sync_steps=5).validate()
+
+
+def test_quality_summary_is_median_and_range_over_seeds():
+    cfg = quality.QualityConfig(worlds=(4,), variants=("FSDP",), seeds=(0, 1, 2))
+    runs = [{"variant": "FSDP", "world": 4, "seed": s, "eval_perplexity": p, "batch_samples": 16, "steps": 8,
+             "learning_rate": 1e-3} for s, p in enumerate([30.0, 10.0, 20.0])]  # fmt: skip
+    (row,) = quality.summarize(runs, cfg)["rows"]
+    assert (row["median"], row["min"], row["max"], row["seeds"]) == (20.0, 10.0, 30.0, 3)
+    assert "20.0 (10.0–30.0)" in quality.markdown(quality.summarize(runs, cfg))
+
+
+def test_scaling_spread_and_methods_per_scale():
+    assert scaling.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert scaling.methods_at(2, scaling.METHODS) == ("FSDP", "HSDP", "FL+FSDP", "ideal")  # one group: no FL+HSDP
+    assert scaling.methods_at(4, scaling.METHODS) == scaling.METHODS
+
+
+@pytest.mark.parametrize("main", [quality.make_parser, scaling.make_parser])
+def test_study_help(main, capsys):
+    with pytest.raises(SystemExit):
+        main().parse_args(["--help"])
+    assert "--quick" in capsys.readouterr().out
+
+
+THREE_TIER = {"nodes": 4, "ranks_per_node": 2, "racks": 2, "rate_mbit": 1000.0, "rack_rate_mbit": 100.0,
+              "sync_steps": 8}  # fmt: skip
+RECORD = {"params": 1000, "once_params": 0, "units": 1}
+
+
+def test_three_tier_prediction_puts_fl_hsdp_groups_on_racks():
+    """P = 1000, 4 B everywhere. HSDP all-reduces each 2000-byte gradient shard over 4 nodes every step: 2 rings,
+    2 (3/4) 2000 = 3000 B a hop, each ring leaving each rack once: 12000 B over both racks. FL+HSDP only averages
+    between the racks every 8 steps: per rack M · 2 (K-1)/K · b_s P / H = 2 · 1 · 4000 / 8 = 1000 B, 2000 B both."""
+    hsdp = predicted("HSDP", THREE_TIER, RECORD, compute_s=None)
+    fl_hsdp = predicted("FL+HSDP", THREE_TIER, RECORD, compute_s=None)
+    assert hsdp["inter_rack_bytes_per_step"] == pytest.approx(2 * 2 * 3 / 4 * 4000)
+    assert fl_hsdp["inter_rack_bytes_per_step"] == pytest.approx(2000)
+    assert predicted("HSDP", {**THREE_TIER, "racks": 1, "rack_rate_mbit": None}, RECORD, None)[
+        "inter_rack_bytes_per_step"] == 0  # fmt: skip
+
+
+def test_three_tier_targets():
+    def method(tokens_per_s, rack_measured=None, rack_predicted=0.0):
+        return {"tokens_per_s": tokens_per_s, "final_eval_perplexity": 10.0, "averaging_ratio_median": None,
+                "inter_bytes_per_step": 100.0, "inter_rack_bytes_per_step": rack_measured,
+                "predicted": {"inter_bytes_per_step": 100.0, "inter_rack_bytes_per_step": rack_predicted}}  # fmt: skip
+
+    methods = {"HSDP": method(100, 120, 100), "FL+HSDP": method(160, 50, 50)}
+    rows = {t["target"]: t for t in targets(methods, three_tier=True)}
+    assert rows["FL+HSDP tokens/s ≥ 1.5× HSDP"]["met"] and rows["FL+HSDP tokens/s ≥ 1.5× HSDP"]["measured"] == 1.6
+    assert not rows["HSDP inter-rack bytes within 15% of the model (measured/predicted - 1)"]["met"]  # +20%
+    assert rows["FL+HSDP inter-rack bytes within 15% of the model (measured/predicted - 1)"]["met"]
+    assert "FL+HSDP tokens/s ≥ 2× HSDP" in {t["target"] for t in targets(methods)}  # two tiers: the old target

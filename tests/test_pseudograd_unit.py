@@ -1,0 +1,243 @@
+"""Fast in-process checks of the codec, the exchange (with a fake communicator) and the outer optimizer."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from hf_fedshard.arguments import FedShardTrainingArguments
+from hf_fedshard.codec import INT8_BLOCK, decode, encode
+from hf_fedshard.errors import ConfigError
+from hf_fedshard.exchange import Exchange, mean_over_groups
+from hf_fedshard.outer import OuterOptimizer
+
+
+class FakeCommunicator:
+    """One rank of an in-process group: each rank is a thread; a collective meets at a barrier."""
+
+    def __init__(self, shared: dict, rank: int, size: int) -> None:
+        self.shared, self._rank, self._size = shared, rank, size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def _meet(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's tensor, in rank order (two barriers: post, read, then free the slot)."""
+        self.shared[self._rank] = tensor.clone()
+        self.shared["barrier"].wait()
+        everyone = [self.shared[r] for r in range(self._size)]
+        self.shared["barrier"].wait()
+        return everyone
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        everyone = self._meet(tensor)
+        tensor.copy_(everyone[0].clone().zero_().add_(sum(t.double() for t in everyone).to(tensor.dtype)))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        everyone = self._meet(input)
+        output.copy_(torch.cat([t.chunk(self._size)[self._rank] for t in everyone]))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        output.copy_(torch.cat(self._meet(input)))
+
+
+def run_ranks(size: int, fn: Callable[[FakeCommunicator], object]) -> list:
+    """``fn(comm)`` on ``size`` threads sharing one fake group; the results in rank order."""
+    shared: dict = {"barrier": threading.Barrier(size)}
+    results: list = [None] * size
+    errors: list[BaseException] = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(FakeCommunicator(shared, rank, size))
+        except BaseException as err:  # re-raised in the main thread
+            errors.append(err)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def payloads(groups: int, numel: int = 1000) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(numel, generator=generator) * (g + 1) for g in range(groups)]
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+# ---- codec ----
+
+
+def test_int8_codec_is_exact_on_block_maxima_and_within_half_a_step_elsewhere():
+    x = torch.randn(4 * INT8_BLOCK)
+    payload = encode(x, "int8")
+    assert payload.values.dtype == torch.int8 and payload.scales.shape == (4,)
+    assert payload.nbytes == x.numel() + 4 * 4
+    y = decode(payload)
+    step = (x.view(4, -1).abs().amax(dim=1) / 127).repeat_interleave(INT8_BLOCK)
+    assert ((x - y).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(decode(encode(torch.zeros(INT8_BLOCK), "int8")), torch.zeros(INT8_BLOCK))
+
+
+def test_codec_bytes_are_one_half_and_about_one_quarter_of_fp32():
+    x = torch.randn(8 * INT8_BLOCK)
+    fp32 = encode(x, "float32").nbytes
+    assert encode(x, "bfloat16").nbytes * 2 == fp32
+    assert encode(x, "int8").nbytes == fp32 // 4 + 8 * 4  # values, plus one fp32 scale per block
+
+
+# ---- exchange ----
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_every_group_decodes_the_same_bytes(dtype):
+    xs = payloads(3)
+    means = run_ranks(3, lambda comm: mean_over_groups(xs[comm.rank()], comm, 3, dtype)[0])
+    assert all(torch.equal(means[0], m) for m in means)
+    bound = {"float32": 1e-6, "bfloat16": 1e-2, "int8": 5e-2}[dtype]
+    assert relative_error(means[0], torch.stack(xs).mean(0)) < bound
+
+
+@pytest.mark.parametrize("dtype, ratio", [("bfloat16", 2), ("int8", 4)])
+def test_exchange_bytes_shrink_with_the_wire_dtype(dtype, ratio):
+    xs = payloads(2, numel=4 * 2 * INT8_BLOCK)
+    sent = run_ranks(2, lambda comm: mean_over_groups(xs[comm.rank()], comm, 2, dtype)[1])
+    fp32 = xs[0].numel() * 4
+    scales = 4 * xs[0].numel() // INT8_BLOCK if dtype == "int8" else 0
+    assert sent == [fp32 // ratio + scales] * 2
+
+
+def test_split_exchange_equals_the_unsplit_one_with_bytes_divided_by_the_replicas():
+    """2 groups × 2 replicas: world rank = group × 2 + replica; replicas of a group hold the same payload."""
+    xs = payloads(2, numel=999)
+    fed_shared = [{"barrier": threading.Barrier(2)} for _ in range(2)]  # one fed group per replica position
+    rep_shared = [{"barrier": threading.Barrier(2)} for _ in range(2)]  # one replica group per federation group
+
+    def rank_fn(world: FakeCommunicator):
+        group, replica = divmod(world.rank(), 2)
+        fed = FakeCommunicator(fed_shared[replica], group, 2)
+        replicas = FakeCommunicator(rep_shared[group], replica, 2)
+        return Exchange(fed, "float32", replicas).mean([xs[group].view(27, 37)], 2)
+
+    split = run_ranks(4, rank_fn)
+    unsplit = run_ranks(2, lambda comm: Exchange(comm, "float32").mean([xs[comm.rank()].view(27, 37)], 2))
+    for means, sent in split:
+        assert torch.equal(means[0], unsplit[0][0][0])
+        assert sent * 2 == unsplit[0][1] + 4  # half the payload, padded to an even length
+    assert unsplit[0][1] == 999 * 4
+
+
+# ---- outer optimizer ----
+
+
+START = torch.randn(5, generator=torch.Generator().manual_seed(1))
+
+
+def outer_round(lr: float, momentum: float, rounds: int = 3) -> list[torch.Tensor]:
+    """Two groups moving away from a shared start; their model after each averaging (full tensors, one process)."""
+    outers = [OuterOptimizer([START], lr, momentum) for _ in range(2)]
+    locals_ = [START.clone(), START.clone()]
+    history = []
+    for k in range(rounds):
+        for g, local in enumerate(locals_):
+            local.add_(torch.full_like(local, 0.1 * (g + 1) * (k + 1)))
+        deltas = [outer.deltas([local])[0] for outer, local in zip(outers, locals_, strict=True)]
+        mean = (deltas[0] + deltas[1]) / 2
+        for outer, local in zip(outers, locals_, strict=True):
+            outer.step([mean], [local])
+        assert torch.equal(locals_[0], locals_[1]) and torch.equal(outers[0].anchor[0], outers[1].anchor[0])
+        history.append(locals_[0].clone())
+    return history
+
+
+def test_pseudogradient_sign():
+    """Groups that each add +c produce Δ = −c: the pseudo-gradient points against the groups' move."""
+    outer = OuterOptimizer([torch.zeros(3)])
+    assert torch.equal(outer.deltas([torch.full((3,), 0.25)])[0], torch.full((3,), -0.25))
+
+
+def test_fedavg_outer_step_is_the_plain_average():
+    history = outer_round(1.0, 0.0)
+    expected = START.clone()
+    for k in range(3):
+        expected += 0.15 * (k + 1)  # the mean of the groups' moves, +0.1 (k+1) and +0.2 (k+1)
+        torch.testing.assert_close(history[k], expected, atol=1e-6, rtol=0)
+
+
+def test_nesterov_with_lr_1_and_no_momentum_equals_fedavg(tmp_path):
+    def history(**settings) -> list[torch.Tensor]:
+        args = FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none", **settings)
+        return outer_round(*args.fed_outer)
+
+    nesterov = history(fed_outer_optimizer="nesterov", fed_outer_lr=1.0, fed_outer_momentum=0.0)
+    assert all(torch.equal(a, b) for a, b in zip(nesterov, history(), strict=True))
+    assert not torch.equal(history(fed_outer_optimizer="nesterov")[-1], history()[-1])
+
+
+def test_nesterov_follows_the_diloco_update():
+    """anchor ← anchor − lr (g + μ b), b ← μ b + g (torch's Nesterov SGD), g = mean Δ = −(mean move)."""
+    lr, mu = 0.7, 0.9
+    history = outer_round(lr, mu)
+    anchor = START.clone()
+    buf = None
+    for k in range(3):
+        g = -torch.full((5,), 0.15 * (k + 1))
+        buf = g.clone() if buf is None else mu * buf + g
+        anchor = anchor - lr * (g + mu * buf)
+        torch.testing.assert_close(history[k], anchor, atol=1e-6, rtol=0)
+
+
+def test_outer_state_round_trip_continues_exactly():
+    tensors = [torch.randn(4)]
+    a = OuterOptimizer(tensors, 0.7, 0.9)
+    a.step([torch.ones(4)], tensors)
+    b = OuterOptimizer([torch.zeros(4)], 0.7, 0.9)
+    file = io.BytesIO()
+    torch.save(a.state_dict(), file)
+    file.seek(0)
+    b.load_state_dict(torch.load(file, weights_only=True))
+    ta, tb = [torch.zeros(4)], [torch.zeros(4)]
+    a.step([torch.ones(4)], ta)
+    b.step([torch.ones(4)], tb)
+    assert torch.equal(ta[0], tb[0])
+
+
+# ---- bad input: one line each, from the arguments (before any process group) ----
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        ({"fed_outer_optimizer": "adam"}, "fed_outer_optimizer='adam' is unknown"),
+        ({"fed_sync_dtype": "float8"}, "fed_sync_dtype='float8' is unknown"),
+        ({"fed_outer_optimizer": "nesterov", "fed_outer_lr": 0.0}, "fed_outer_lr=0.0: it must be positive"),
+        ({"fed_outer_optimizer": "nesterov", "fed_outer_momentum": 1.0}, r"fed_outer_momentum=1.0: it must be in"),
+        ({"fed_outer_optimizer": "nesterov", "fed_outer_momentum": -0.1}, r"fed_outer_momentum=-0.1: it must be in"),
+        ({"fed_outer_lr": 0.5}, "apply to fed_outer_optimizer='nesterov'"),
+    ],
+)
+def test_bad_outer_settings_fail_with_one_line(tmp_path, settings, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none", **settings)
+    assert "\n" not in str(err.value)
+
+
+def test_nesterov_defaults_are_dilocos(tmp_path):
+    args = FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none", fed_outer_optimizer="nesterov")
+    assert args.fed_outer == (0.7, 0.9)
+    assert FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none").fed_outer == (1.0, 0.0)
