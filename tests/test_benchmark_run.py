@@ -68,9 +68,10 @@ def test_tiny_benchmark_writes_every_figure(tmp_path):
            "--eval-steps", "4", "--model-size", "micro", "--max-train-lines", "3000", "--timeout-s", "240",
            "--out", str(out), "--work", str(tmp_path), "--data-cache", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert not [name for name in list_namespaces() if name.startswith("fsb")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out_text, _ = proc.communicate(timeout=840)
+    assert proc.returncode == 0, out_text[-6000:]
+    assert not [name for name in list_namespaces() if name.startswith(f"fsb{proc.pid}")]  # this run's, not another's
 
     results = json.loads((out / "results.json").read_text())
     assert set(results["methods"]) == {"FSDP", "FL+FSDP", "ideal", "LocalSGD"}
