@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
+from benchmarks.report import run_record, write_study  # noqa: E402
 from benchmarks.two_tier import DATA_CACHE, BenchConfig, prepare_data, shared_args  # noqa: E402
 
 GROUPS, RANKS_PER_GROUP = 2, 2
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     cfg = BenchConfig(nodes=GROUPS, ranks_per_node=RANKS_PER_GROUP, steps=args.steps, sync_steps=args.sync_steps,
                       eval_steps=args.eval_steps, model_size=args.model_size, warmup_steps=0)  # fmt: skip
-    started, clock = time.strftime("%Y-%m-%d %H:%M:%S %Z"), time.monotonic()
+    started = time.time()
     data = prepare_data(cfg, args.data_cache)
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="fedshard-sweep-") as tmp:
@@ -124,17 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: getattr(cfg, k) for k in CONFIG_FIELDS},
         "tokens_per_step": cfg.tokens_per_step,
         "runs": runs,
-        "command": shlex.join(
-            ["python", "benchmarks/outer_lr_sweep.py", *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "started": started,
-        "wall_s": round(time.monotonic() - clock),
+        **run_record("benchmarks/outer_lr_sweep.py", sys.argv[1:] if argv is None else argv, started),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    (args.out / "results.md").write_text(markdown(results) + "\n")
+    table = write_study(args.out, results, markdown)
     plot(results, args.out / "perplexity_vs_tokens.png")
-    print(markdown(results))
+    print(table)
     return 0
 
 

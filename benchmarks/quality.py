@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
+from benchmarks.report import run_record, run_record_lines, write_study  # noqa: E402
 from benchmarks.two_tier import DATA_CACHE, BenchConfig, prepare_data  # noqa: E402
 
 VARIANTS = ("FSDP", "FSDP √-lr", "FL+FSDP")
@@ -157,9 +157,7 @@ def markdown(results: dict) -> str:
     for r in results["rows"]:
         lines.append(f"| {r['variant']} | {r['world']} | {r['batch_samples']} | {r['steps']} | "
                      f"{r['learning_rate']:.4g} | {r['median']:.1f} ({r['min']:.1f}–{r['max']:.1f}) |")  # fmt: skip
-    if "command" in results:
-        lines += ["", f"From one run of `{results['command']}`, started {results['started']}, "
-                      f"{results['wall_s']} s in all."]  # fmt: skip
+    lines += run_record_lines(results)
     return "\n".join(lines)
 
 
@@ -227,14 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedshard-quality-") as tmp:
         runs = [run_one(cfg, v, w, s, data, Path(tmp)) for s in cfg.seeds for w in cfg.worlds for v in cfg.variants]
     results = summarize(runs, cfg)
-    results.update(command=shlex.join(["python", "benchmarks/quality.py", *sys.argv[1:]]),
-                   started=time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-                   wall_s=round(time.time() - started))  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(results) + "\n")
+    results.update(run_record("benchmarks/quality.py", sys.argv[1:] if argv is None else argv, started))
+    table = write_study(out, results, markdown)
     plot(results, out)
-    print(markdown(results))
+    print(table)
     return 0
 
 

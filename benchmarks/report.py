@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hf_fedshard.cost import GLOO, ModelCost, Network, method_layouts, step_cost, sync_bytes_per_value
@@ -358,3 +361,28 @@ def update_readme(results: dict, out: Path, readme: Path, block: str = "results"
         raise ValueError(f"{readme} has no {block} block; add the lines {begin!r} and {end!r}.")
     head, rest = current.split(begin, 1)
     readme.write_text(head + text + rest.split(end, 1)[1])
+
+
+def run_record(script: str, argv: list[str], started: float) -> dict[str, object]:
+    """Where a study's figures come from: its command, start time and wall seconds (for its results and tables)."""
+    return {
+        "command": shlex.join(["python", script, *argv]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+        "wall_s": round(time.time() - started),
+    }
+
+
+def run_record_lines(results: dict) -> list[str]:
+    """The Markdown sentence that names a study's run, when its results carry a `run_record`."""
+    if "command" not in results:
+        return []
+    return ["", f"From one run of `{results['command']}`, started {results['started']}, {results['wall_s']} s in all."]
+
+
+def write_study(out: Path, results: dict, markdown: Callable[[dict], str]) -> str:
+    """A study's results.json and results.md into ``out``; returns the Markdown (the caller adds its plot)."""
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(results)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(table + "\n")
+    return table

@@ -19,8 +19,6 @@ Results (JSON, Markdown, PNG) go to ``--out`` (default benchmarks/results/scalin
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import statistics
 import sys
 import tempfile
@@ -32,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
-from benchmarks.report import layout_of  # noqa: E402
+from benchmarks.report import layout_of, run_record, run_record_lines, write_study  # noqa: E402
 from benchmarks.two_tier import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
 from hf_fedshard.cost import model_state_bytes_per_rank  # noqa: E402
 
@@ -106,9 +104,7 @@ def markdown(results: dict) -> str:
                 f"{_r(p['fraction_of_ideal'], '.0f', 100)}% | {_r(p['tokens_per_s'], ',.0f')} | "
                 f"{_r(p['memory_added_bytes'], '.0f', 1e-6)} | {p['model_state_bytes_predicted'] / 1e6:.1f} |"
             )
-    if "command" in results:
-        lines += ["", f"From one run of `{results['command']}`, started {results['started']}, "
-                      f"{results['wall_s']} s in all."]  # fmt: skip
+    lines += run_record_lines(results)
     return "\n".join(lines)
 
 
@@ -171,14 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="fedshard-scaling-") as tmp:
         results = study(base, scales, args.repeats or (1 if quick else 2), Path(tmp), args.data_cache)
-    results.update(command=shlex.join(["python", "benchmarks/scaling.py", *sys.argv[1:]]),
-                   started=time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-                   wall_s=round(time.time() - started))  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(results) + "\n")
+    results.update(run_record("benchmarks/scaling.py", sys.argv[1:] if argv is None else argv, started))
+    table = write_study(out, results, markdown)
     plot(results, out)
-    print(markdown(results))
+    print(table)
     return 0
 
 
