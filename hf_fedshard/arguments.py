@@ -136,8 +136,8 @@ class FedShardArgumentsMixin:
     fed_eval_per_group: bool = field(
         default=False,
         metadata={
-            "help": "At each evaluation during training, also evaluate every group's own model before averaging "
-            "(eval_group{g}_perplexity; one line per group in the card's plot)."
+            "help": "At each evaluation during training, also evaluate every group's own model, beside the groups' "
+            "average (eval_group{g}_perplexity; one line per group in the card's plot)."
         },
     )
     fed_timeout_s: float | None = field(
