@@ -333,10 +333,8 @@ class FedAvgCallback(TrainerCallback):
         due = state.global_step % self.sync_steps == 0
         evaluating = control.should_evaluate or _epoch_evaluation_follows(args, state, control)
         self._sync_if_needed(model, optimizer, state.global_step, due, evaluating, control.should_training_stop)
-        if self._diverged_at_step == state.global_step:
-            control.should_log = (
-                True  # a log at the divergence's step: Trainer's logging_nan_inf_filter hides NaN losses
-            )
+        if self._diverged_at_step == state.global_step:  # Trainer's logging_nan_inf_filter hides NaN losses
+            control.should_log = True
 
     def on_epoch_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._sync_if_needed(model, optimizer, state.global_step, False, False, control.should_training_stop)
