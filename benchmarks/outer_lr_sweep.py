@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
+from benchmarks.exclusive import exclusive_cores  # noqa: E402
 from benchmarks.report import run_record, write_study  # noqa: E402
 from benchmarks.two_tier import DATA_CACHE, BenchConfig, prepare_data, shared_args  # noqa: E402
 
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     data = prepare_data(cfg, args.data_cache)
     runs: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory(prefix="fedshard-sweep-") as tmp:
+    with exclusive_cores("benchmarks/outer_lr_sweep.py"), tempfile.TemporaryDirectory(prefix="fedshard-sweep-") as tmp:
         for lr in [*args.lrs, None]:
             label = "fedavg" if lr is None else f"nesterov lr {lr:g}"
             evals = train(label.replace(" ", "_"), run_args(lr, cfg), cfg, data, Path(tmp))

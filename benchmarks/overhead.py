@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import statistics
@@ -36,7 +35,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LOCK = "/tmp/hf_fedshard_cpu.lock"
+if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.exclusive import exclusive_cores  # noqa: E402
+
 METHODS = ("fedshard", "trainer", "handwritten")
 PHASES = ("data", "forward", "backward", "optimizer", "averaging", "other")
 VOCAB = 8192
@@ -344,8 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     opts.out.mkdir(parents=True, exist_ok=True)
     tokens_per_rank_step = opts.batch_size * opts.seq_len
     results: dict[str, list[dict]] = {m: [] for m in opts.methods}
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive_cores("benchmarks/overhead.py"):
         for rep in range(opts.reps):  # interleaved: a drift in the machine's load hits every method alike
             for method in opts.methods:
                 record_dir = opts.out / "runs" / f"{method}-{rep}"

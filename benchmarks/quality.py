@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
+from benchmarks.exclusive import exclusive_cores  # noqa: E402
 from benchmarks.report import run_record, run_record_lines, write_study  # noqa: E402
 from benchmarks.two_tier import DATA_CACHE, BenchConfig, prepare_data  # noqa: E402
 
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "benchmarks" / "results" / ("quality_quick" if args.quick else "quality_full")
     data = prepare_data(BenchConfig(block_size=cfg.block_size, eval_samples=cfg.eval_samples), args.data_cache)
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="fedshard-quality-") as tmp:
+    with exclusive_cores("benchmarks/quality.py"), tempfile.TemporaryDirectory(prefix="fedshard-quality-") as tmp:
         runs = [run_one(cfg, v, w, s, data, Path(tmp)) for s in cfg.seeds for w in cfg.worlds for v in cfg.variants]
     results = summarize(runs, cfg)
     results.update(run_record("benchmarks/quality.py", sys.argv[1:] if argv is None else argv, started))

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
+from benchmarks.exclusive import exclusive_cores  # noqa: E402
 from benchmarks.report import layout_of, run_record, run_record_lines, write_study  # noqa: E402
 from benchmarks.two_tier import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
 from hf_fedshard.cost import model_state_bytes_per_rank  # noqa: E402
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         replace(base, nodes=nodes, methods=methods_at(nodes, base.methods)).validate()
     out = args.out or REPO / "benchmarks" / "results" / ("scaling_quick" if quick else "scaling_full")
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="fedshard-scaling-") as tmp:
+    with exclusive_cores("benchmarks/scaling.py"), tempfile.TemporaryDirectory(prefix="fedshard-scaling-") as tmp:
         results = study(base, scales, args.repeats or (1 if quick else 2), Path(tmp), args.data_cache)
     results.update(run_record("benchmarks/scaling.py", sys.argv[1:] if argv is None else argv, started))
     table = write_study(out, results, markdown)

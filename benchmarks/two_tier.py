@@ -34,6 +34,7 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
     sys.path.insert(0, str(REPO))
 
 from benchmarks import report  # noqa: E402
+from benchmarks.exclusive import exclusive_cores  # noqa: E402
 from benchmarks.netns import Cluster, handle_termination  # noqa: E402
 from benchmarks.report import VARIANTS, base_method  # noqa: E402
 
@@ -318,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "benchmarks" / "results" / (
         f"three_tier_{mode}" if args.topology == "three-tier" else mode
     )
-    quiet = wait_until_quiet(args.wait_quiet_s) if args.wait_quiet_s > 0 else None
-    with tempfile.TemporaryDirectory(prefix="fedshard-bench-") as tmp:
+    with exclusive_cores("benchmarks/two_tier.py"), tempfile.TemporaryDirectory(prefix="fedshard-bench-") as tmp:
+        quiet = wait_until_quiet(args.wait_quiet_s) if args.wait_quiet_s > 0 else None
         results = benchmark(cfg, out, args.work or Path(tmp), args.data_cache, quiet)
     print(report.markdown(results))
     if args.update_readme:
