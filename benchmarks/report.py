@@ -35,7 +35,12 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "FL+FSDP int8": ("FL+FSDP", ["--fed_sync_dtype", "int8"]),
     "FL+FSDP nesterov": ("FL+FSDP", ["--fed_outer_optimizer", "nesterov"]),
     "FL+HSDP split": ("FL+HSDP", ["--fed_split_exchange", "true"]),
-}
+    "FL+FSDP overlap": ("FL+FSDP", ["--fed_sync_overlap", "1"]),
+    "FL+FSDP stream": ("FL+FSDP", ["--fed_sync_fragments", "4", "--fed_sync_overlap", "1"]),
+    "FL+FSDP stream int8": ("FL+FSDP", ["--fed_sync_fragments", "4", "--fed_sync_overlap", "1", "--fed_sync_dtype",
+                                        "int8"]),
+}  # fmt: skip
+OVERLAPPED = tuple(name for name, (_, args) in VARIANTS.items() if "--fed_sync_overlap" in args)
 
 
 def base_method(method: str) -> str:
@@ -94,7 +99,9 @@ def predicted(method: str, cfg: dict, record: dict, compute_s: float | None) -> 
     rack_rate = cfg.get("rack_rate_mbit") or math.inf
     network = Network(cfg["rate_mbit"] * 1e6 / 8, math.inf, inter_rack_bytes_s=rack_rate * 1e6 / 8)
     nodes_per_rack = cfg["nodes"] // racks if racks > 1 else None
-    cost = step_cost(model, layout, cfg["ranks_per_node"], h, network, compute_s or 0.0, method, nodes_per_rack)
+    fragments, overlap = int(settings.get("fed_sync_fragments", 1)), int(settings.get("fed_sync_overlap", 0))
+    cost = step_cost(model, layout, cfg["ranks_per_node"], h, network, compute_s or 0.0, method, nodes_per_rack,
+                     fragments, overlap)  # fmt: skip
     return {
         "inter_bytes_per_step": cost.inter_bytes_per_node * cfg["nodes"],
         "inter_rack_bytes_per_step": cost.inter_rack_bytes_per_rack * racks,
@@ -124,6 +131,7 @@ def summarize_method(method: str, records: list[dict], cfg: dict) -> dict:
         for s in syncs if s.get("sync_tx_bytes")
     ]  # fmt: skip
     evals = [{**e, "eval_perplexity": math.exp(e["eval_loss"])} for e in rank0["evals"]]
+    loop_wait_s = sum(s["sync_s"] for s in steps)  # the loop's time inside the averaging callback
     return {
         "layout": layout.describe() if method != "LocalSGD" else f"DDP over {layout.world_size} ranks",
         "averages_every": sync,
@@ -143,6 +151,10 @@ def summarize_method(method: str, records: list[dict], cfg: dict) -> dict:
         "averaging": averaging,
         "averaging_ratio_median": statistics.median(a["ratio_to_bytes_over_rate"] for a in averaging)
         if averaging
+        else None,
+        "loop_wait_s": loop_wait_s,
+        "loop_wait_ratio": loop_wait_s / (tx[0] / rate_bytes_s)
+        if base_method(method) == "FL+FSDP" and tx and tx[0]
         else None,
         "evals": evals,
         "final_eval_perplexity": evals[-1]["eval_perplexity"],
@@ -166,9 +178,10 @@ def targets(methods: dict, three_tier: bool = False) -> list[dict]:
     ]
     for name in ("FL+FSDP", "FL+HSDP"):
         if name in methods and methods[name]["averaging_ratio_median"] is not None:
-            rows.append((f"{name} averaging time ≤ 1.5× bytes ÷ link rate", methods[name]["averaging_ratio_median"],
-                         1.5, "≤"))  # fmt: skip
+            rows.append((f"{name} averaging time ≤ 1.2× bytes ÷ link rate", methods[name]["averaging_ratio_median"],
+                         1.2, "≤"))  # fmt: skip
     rows += variant_targets(methods)
+    rows += overlap_targets(methods)
     for name, m in methods.items():
         if m["predicted"]["inter_bytes_per_step"] > 0:
             error = m["inter_bytes_per_step"] / m["predicted"]["inter_bytes_per_step"] - 1
@@ -207,6 +220,30 @@ def variant_targets(methods: dict) -> list[tuple[str, float, float, str]]:
         error = methods[name]["inter_bytes_per_step"] / methods[name]["predicted"]["inter_bytes_per_step"] - 1
         rows.append((f"{name} inter-node bytes within 5% of the model (measured/predicted - 1)", error,
                      VARIANT_BYTES_TOLERANCE, "|≤|"))  # fmt: skip
+    return rows
+
+
+def overlap_targets(methods: dict) -> list[tuple[str, float, float, str]]:
+    """Streaming averaging's targets: the best FL+FSDP near the ideal and LocalSGD, waits hidden, quality kept."""
+    fl_fsdp = [n for n in methods if base_method(n) == "FL+FSDP"]
+    if not any(n in OVERLAPPED for n in fl_fsdp):
+        return []
+    best = max(fl_fsdp, key=lambda n: methods[n]["tokens_per_s"])
+    rows = []
+    if "ideal" in methods:
+        rows.append((f"best FL+FSDP ({best}) tokens/s ≥ 95% of ideal",
+                     methods[best]["tokens_per_s"] / methods["ideal"]["tokens_per_s"], 0.95, "≥"))  # fmt: skip
+    if "LocalSGD" in methods:
+        rows.append((f"best FL+FSDP ({best}) tokens/s ≥ LocalSGD's",
+                     methods[best]["tokens_per_s"] / methods["LocalSGD"]["tokens_per_s"], 1.0, "≥"))  # fmt: skip
+    for name in [n for n in OVERLAPPED if n in methods]:
+        if methods[name].get("loop_wait_ratio") is not None:
+            rows.append((f"{name} loop's wait on exchanges ≤ 10% of bytes ÷ link rate",
+                         methods[name]["loop_wait_ratio"], 0.10, "≤"))  # fmt: skip
+        if "FL+FSDP" in methods:
+            rows.append((f"{name} eval ppl at equal tokens ≤ 1.02× blocking fp32 FL+FSDP",
+                         methods[name]["final_eval_perplexity"] / methods["FL+FSDP"]["final_eval_perplexity"], 1.02,
+                         "≤"))  # fmt: skip
     return rows
 
 
@@ -361,6 +398,11 @@ def update_readme(results: dict, out: Path, readme: Path, block: str = "results"
         raise ValueError(f"{readme} has no {block} block; add the lines {begin!r} and {end!r}.")
     head, rest = current.split(begin, 1)
     readme.write_text(head + text + rest.split(end, 1)[1])
+
+
+def spread(values: list[float]) -> dict:
+    """Median and range of ``values`` over repetitions: what the repeated studies print every figure with."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def run_record(script: str, argv: list[str], started: float) -> dict[str, object]:

@@ -31,16 +31,11 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
     sys.path.insert(0, str(REPO))
 
 from benchmarks.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.report import layout_of, run_record, run_record_lines, write_study  # noqa: E402
+from benchmarks.report import layout_of, run_record, run_record_lines, spread, write_study  # noqa: E402
 from benchmarks.two_tier import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
 from hf_fedshard.cost import model_state_bytes_per_rank  # noqa: E402
 
 METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal")
-
-
-def spread(values: list[float]) -> dict:
-    """Median and range of ``values``: what every figure of this study is printed with."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def point(runs: list[dict], method: str, cfg: dict) -> dict:
@@ -145,7 +140,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, help="Repetitions per scale (default 2; 1 with --quick).")
     p.add_argument("--methods", nargs="+", choices=METHODS, help="Default: all five (quick: FSDP, FL+FSDP, ideal).")
     p.add_argument("--rate-mbit", type=float, default=100.0, help="Inter-node link rate, Mbit/s each way.")
-    p.add_argument("--steps", type=int, help="Steps per method (default 32; 16 with --quick).")
+    p.add_argument("--steps", type=int, help="Steps per method (default 32; 48 with --quick: 11 windows of H = 4).")
     p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/scaling_<quick|full>).")
     p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
     return p
@@ -158,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     base = BenchConfig(
         ranks_per_node=2, rate_mbit=args.rate_mbit, methods=tuple(args.methods or (
             ("FSDP", "FL+FSDP", "ideal") if quick else METHODS)), model_size="micro" if quick else "tiny",
-        steps=args.steps or (16 if quick else 32), sync_steps=h, warmup_steps=h, eval_steps=args.steps or (
-            16 if quick else 32), eval_samples=32 if quick else 64,
+        steps=args.steps or (48 if quick else 32), sync_steps=h, warmup_steps=h, eval_steps=args.steps or (
+            48 if quick else 32), eval_samples=32 if quick else 64,
     )  # fmt: skip
     scales = tuple(args.nodes or ((2, 4) if quick else (2, 4, 8)))
     for nodes in scales:

@@ -23,6 +23,7 @@ from transformers.trainer_utils import IntervalStrategy
 
 from .codec import SYNC_DTYPES
 from .errors import ConfigError
+from .fragments import Schedule
 from .mesh import FederationLayout
 from .notices import notice as _notice
 from .outer import NESTEROV_DEFAULTS, OUTER_OPTIMIZERS, outer_hyperparameters
@@ -59,6 +60,15 @@ class FedShardArgumentsMixin:
         fed_split_exchange (`bool`, defaults to `True`): FL+HSDP only: each of the Q replicas of a group sends
             1/Q of its shard between groups and the group all-gathers the rest, so the slow tier carries the
             payload once per group instead of Q times (same result).
+
+    Streaming and overlap (docs/overlap.md):
+        fed_sync_fragments (`int`, defaults to 1): F, fragments of whole FSDP units (balanced by bytes), each with
+            its own anchor and outer momentum; fragment f averages on the steps ≡ (f + 1)·H/F (mod H), so the
+            inter-group link carries 1/F of the model every H/F steps. Must divide `fed_sync_steps`.
+        fed_sync_overlap (`int`, defaults to 0): τ, steps an exchange runs behind training before it is applied
+            (new anchor + the local progress made meanwhile). 0 blocks; must be below H/F.
+        fed_outer_state_on_device (`bool`, defaults to `False`): keep the anchors and outer momentum of CUDA
+            shards on the GPU; by default they live in pinned CPU memory.
 
     Evaluation:
         fed_eval_per_group (`bool`, defaults to `False`): at each evaluation during training, first evaluate
@@ -132,6 +142,24 @@ class FedShardArgumentsMixin:
     fed_split_exchange: bool = field(
         default=True,
         metadata={"help": "FL+HSDP: each replica sends 1/Q of the shard between groups (Q times fewer bytes)."},
+    )
+    fed_sync_fragments: int = field(
+        default=1,
+        metadata={
+            "help": "F: averaging streams F fragments of whole FSDP units, fragment f on the steps ≡ (f+1)·H/F "
+            "(mod H); must divide fed_sync_steps."
+        },
+    )
+    fed_sync_overlap: int = field(
+        default=0,
+        metadata={
+            "help": "τ: an exchange runs behind τ more training steps before it is applied (keeping their "
+            "progress); 0 blocks. Must be below fed_sync_steps / fed_sync_fragments."
+        },
+    )
+    fed_outer_state_on_device: bool = field(
+        default=False,
+        metadata={"help": "Keep CUDA anchors and outer momentum on the GPU (default: pinned CPU memory)."},
     )
     fed_eval_per_group: bool = field(
         default=False,
@@ -227,6 +255,12 @@ class FedShardArgumentsMixin:
                 "fed_outer_lr/fed_outer_momentum apply to fed_outer_optimizer='nesterov'; fedavg is the plain "
                 "average (lr 1, no momentum). Add --fed_outer_optimizer nesterov, or drop them."
             )
+        self.fed_schedule.validate()
+        if self.fed_schedule.streaming and self.fed_average_optimizer_state:
+            raise ConfigError(
+                "fed_average_optimizer_state averages the moments in blocking averagings only; drop it, or set "
+                "--fed_sync_fragments 1 --fed_sync_overlap 0."
+            )
         lr, momentum = self.fed_outer
         if not lr > 0:
             raise ConfigError(f"fed_outer_lr={lr}: it must be positive. Set --fed_outer_lr above 0 (DiLoCo: 0.7).")
@@ -239,6 +273,11 @@ class FedShardArgumentsMixin:
     def fed_outer(self) -> tuple[float, float]:
         """(lr, momentum) of the outer SGD, defaults filled in: (1, 0) for fedavg."""
         return outer_hyperparameters(self.fed_outer_optimizer, self.fed_outer_lr, self.fed_outer_momentum)
+
+    @property
+    def fed_schedule(self) -> Schedule:
+        """When each fragment of the model averages (`hf_fedshard.fragments`)."""
+        return Schedule(self.fed_sync_steps, self.fed_sync_fragments, self.fed_sync_overlap)
 
     @property
     def fed_requested(self) -> bool:

@@ -9,6 +9,8 @@ where they would). A federated ``checkpoint-N/`` holds::
     fed_group{g}/model/               DCP checkpoint of group g's model shards, written by group g's ranks only
     fed_group{g}/optimizer/           DCP checkpoint of group g's optimizer state
     fed_group{g}/fedavg_rank{r}.json  FedAvg counters of rank r (syncs, bytes sent, last averaged step, ...)
+    fed_group{g}/in_flight_rank{r}.pt rank r's overlapped exchange in flight at the save (its snapshot and mean
+                                      Δ, to apply at its scheduled step after a resume); absent when none was
     fed_outer/position{p}.pt          anchor and outer momentum of the shards at position p of a group
                                       (equal in every group: group 0 writes them, every group reads them)
     config.json, scheduler.pt, rng_state_{r}.pth, trainer_state.json   Trainer's own files
@@ -268,4 +270,21 @@ def save_outer_state(checkpoint: str, position: int, state: dict | None) -> None
 def load_outer_state(checkpoint: str, position: int) -> dict | None:
     """One position's anchor and outer momentum, or ``None`` for a checkpoint written without them."""
     path = outer_state_path(checkpoint, position)
+    return torch.load(path, weights_only=True) if os.path.isfile(path) else None
+
+
+def in_flight_path(checkpoint: str | Path, group: int, rank: int) -> str:
+    """The file of rank ``rank``'s exchange in flight (group-specific: it holds the group's own snapshot)."""
+    return os.path.join(group_dir(checkpoint, group), f"in_flight_rank{rank}.pt")
+
+
+def save_in_flight_state(checkpoint: str, group: int, rank: int, state: dict | None) -> None:
+    """Write this rank's exchange in flight, if there is one (`FedAvgCallback.in_flight_state_dict`)."""
+    if state is not None:
+        torch.save(state, in_flight_path(checkpoint, group, rank))
+
+
+def load_in_flight_state(checkpoint: str, group: int, rank: int) -> dict | None:
+    """This rank's exchange in flight at the save, or ``None`` when there was none."""
+    path = in_flight_path(checkpoint, group, rank)
     return torch.load(path, weights_only=True) if os.path.isfile(path) else None

@@ -156,6 +156,7 @@ class Collective:
     rings: tuple[tuple[int, ...], ...]
     per_step: float = 1.0
     calls: int = 1  # collective calls per occurrence (one per FSDP unit, one per FedAvg bucket)
+    averaging: bool = False  # part of the inter-group averaging (what overlap can hide)
 
 
 @dataclass(frozen=True)
@@ -233,10 +234,10 @@ def step_collectives(model: ModelCost, layout: FederationLayout, sync_steps: int
         split = layout.replicas if model.split_exchange else 1
         sync = model.sync_bytes * shard_bytes / split
         buckets = max(1, math.ceil(FEDAVG_BYTES * shard_bytes / BUCKET_BYTES))
-        collectives.append(Collective("all_reduce", sync, rings["fed"], per_step=1 / sync_steps, calls=buckets))
+        collectives.append(Collective("all_reduce", sync, rings["fed"], 1 / sync_steps, buckets, averaging=True))
         if split > 1:  # the replicas' fp32 means, all-gathered inside the group
             collectives.append(
-                Collective("all_gather", FEDAVG_BYTES * shard_bytes, rings["replicate"], 1 / sync_steps, buckets)
+                Collective("all_gather", FEDAVG_BYTES * shard_bytes, rings["replicate"], 1 / sync_steps, buckets, True)
             )
     return collectives
 
@@ -250,10 +251,15 @@ def step_cost(
     compute_s: float = 0.0,
     method: str | None = None,
     nodes_per_rack: int | None = None,
+    fragments: int = 1,
+    overlap: int = 0,
 ) -> StepCost:
     """Bytes per rank, per node (and per rack) on each tier for one optimizer step, and its time on ``network``.
 
-    ``nodes_per_rack=None`` is a two-tier network (one rack holding every node).
+    ``nodes_per_rack=None`` is a two-tier network (one rack holding every node). With ``overlap`` τ > 0 an
+    averaging of 1/``fragments`` of the model runs behind τ steps of compute and of the step's other traffic
+    (assumed not to share its links: FL+FSDP with groups = nodes); only what does not fit there is exposed:
+    max(0, t_exchange − τ · t_step) per exchange, F exchanges every H steps. Bytes do not change.
     """
     if ranks_per_node < 1 or layout.world_size % ranks_per_node:
         raise ValueError(
@@ -270,8 +276,9 @@ def step_cost(
             f"ranks_per_node({ranks_per_node}) = {nodes}: racks hold equal numbers of nodes."
         )
     racks = nodes // per_rack
-    intra = inter = rack = comm_s = 0.0
+    intra = inter = rack = comm_s = sync_s = 0.0
     for coll in step_collectives(model, layout, sync_steps):
+        before = comm_s
         ring_size = len(coll.rings[0])
         hop = ring_hop_bytes(coll.kind, ring_size, coll.payload_bytes, model.reduce_scatter) * coll.per_step
         hops = [ring_hops(ring, ranks_per_node) for ring in coll.rings]
@@ -288,6 +295,12 @@ def step_cost(
             else:
                 crosses = any(h[1] for h in hops)
                 comm_s += steps * (network.inter_latency_s if crosses else network.intra_latency_s)
+        if coll.averaging:
+            sync_s += comm_s - before
+    if overlap > 0 and sync_s > 0:
+        exchange_s = sync_s * sync_steps / fragments  # one fragment's exchange
+        exposed = max(0.0, exchange_s - overlap * (compute_s + comm_s - sync_s))
+        comm_s += exposed * fragments / sync_steps - sync_s
     return StepCost(
         method=method or layout.method,
         intra_bytes_per_rank=intra / layout.world_size,

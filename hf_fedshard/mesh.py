@@ -117,6 +117,14 @@ class FederationLayout:
         """The ranks of each ``fed`` process group: one list per (replica, shard) position, one rank per group."""
         return [[g * self.group_size + position for g in range(self.num_groups)] for position in range(self.group_size)]
 
+    def replica_peer_ranks(self) -> list[list[int]]:
+        """The ranks of each replica set: one list per (group, shard) position, one rank per HSDP replica."""
+        return [
+            [g * self.group_size + r * self.shard_size + s for r in range(self.replicas)]
+            for g in range(self.num_groups)
+            for s in range(self.shard_size)
+        ]
+
     def describe(self) -> str:
         """One line for the log, with the arithmetic that explains it."""
         return (
@@ -188,6 +196,17 @@ def fed_process_group(layout: FederationLayout, timeout_s: float) -> ProcessGrou
     """
     group, _ = new_subgroups_by_enumeration(layout.fed_peer_ranks(), timeout=timedelta(seconds=timeout_s))
     return group
+
+
+def exchange_process_groups(layout: FederationLayout, timeout_s: float) -> tuple[ProcessGroup, ProcessGroup]:
+    """(peers in the other groups, replicas in this group) for the overlapped exchange's worker thread alone.
+
+    Two threads must not issue collectives on one process group (their order could differ between ranks), and
+    the main thread keeps using the inter-group group (divergence flags, metrics) and FSDP the replica one.
+    """
+    fed, _ = new_subgroups_by_enumeration(layout.fed_peer_ranks(), timeout=timedelta(seconds=timeout_s))
+    replicas, _ = new_subgroups_by_enumeration(layout.replica_peer_ranks(), timeout=timedelta(seconds=timeout_s))
+    return fed, replicas
 
 
 def replica_process_group(mesh: DeviceMesh) -> ProcessGroup:

@@ -30,32 +30,67 @@ def outer_hyperparameters(name: str, lr: float | None, momentum: float | None) -
     )
 
 
+def outer_state_device(tensors: Sequence[torch.Tensor], on_device: bool) -> torch.device:
+    """Where the anchor and momentum live: pinned CPU memory for CUDA shards unless ``on_device``, else theirs."""
+    device = tensors[0].device if tensors else torch.device("cpu")
+    return device if on_device or device.type != "cuda" else torch.device("cpu")
+
+
 class OuterOptimizer:
     """This rank's anchor (fp32 copies of its local shards) and the SGD that steps it with mean Δ.
 
     Args:
         tensors: the local shards that averagings move (trainable parameters), in a fixed order.
         lr, momentum: the outer SGD's; Nesterov momentum whenever ``momentum > 0``.
+        device: where the anchor and momentum live (`outer_state_device`); CPU copies of CUDA shards are pinned,
+            so the copies to and from the device are asynchronous. Default: the shards' device.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], lr: float = 1.0, momentum: float = 0.0) -> None:
-        self.anchor = [t.detach().float().clone() for t in tensors]
+    def __init__(self, tensors: Sequence[torch.Tensor], lr: float = 1.0, momentum: float = 0.0, device=None) -> None:
+        self.anchor = [self._hold(t.detach().float(), device) for t in tensors]
         self.optimizer = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    @staticmethod
+    def _hold(tensor: torch.Tensor, device) -> torch.Tensor:
+        held = tensor.to(device or tensor.device, copy=True)
+        return held.pin_memory() if held.device.type == "cpu" and tensor.is_cuda else held
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the anchor and the outer momentum (allocated at the first outer step)."""
+        momentum = 2 if self.optimizer.defaults["momentum"] > 0 else 1
+        return momentum * sum(a.numel() * a.element_size() for a in self.anchor)
 
     @torch.no_grad()
     def deltas(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Δ = anchor − local, in fp32: what this group moved since the last averaging, with the sign of a gradient."""
-        return [a - t.float() for a, t in zip(self.anchor, tensors, strict=True)]
+        """Δ = anchor − local, in fp32 on the shards' device: what this group moved since the last averaging."""
+        return [a.to(t.device, non_blocking=True) - t.float() for a, t in zip(self.anchor, tensors, strict=True)]
 
     @torch.no_grad()
-    def step(self, mean_deltas: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
-        """Step the anchor with mean Δ as its gradient, then move the local shards onto it."""
+    def step(
+        self,
+        mean_deltas: Sequence[torch.Tensor],
+        tensors: Sequence[torch.Tensor],
+        snapshots: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        """Step the anchor with mean Δ as its gradient, then move the local shards onto it.
+
+        With ``snapshots`` (the fp32 local shards Δ was taken from, τ steps ago) the local progress since is
+        kept: local ← anchor + (local − snapshot).
+        """
         for anchor, delta in zip(self.anchor, mean_deltas, strict=True):
-            anchor.grad = delta
+            anchor.grad = delta.to(anchor.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for i, (anchor, tensor) in enumerate(zip(self.anchor, tensors, strict=True)):
+            new = anchor.to(tensor.device, non_blocking=True)
+            tensor.copy_(new if snapshots is None else new + (tensor.float() - snapshots[i]))
+
+    @torch.no_grad()
+    def restart(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Move the local shards onto the anchor (a diverged group's restart from the global model)."""
         for anchor, tensor in zip(self.anchor, tensors, strict=True):
-            tensor.copy_(anchor)
+            tensor.copy_(anchor.to(tensor.device))
 
     def state_dict(self) -> dict:
         """The anchor and the outer momentum: what a checkpoint needs to continue exactly."""

@@ -30,10 +30,12 @@ from .checkpoint import (
     latest_complete_checkpoint,
     load_group_model,
     load_group_optimizer,
+    load_in_flight_state,
     load_outer_state,
     read_counters,
     save_group_model,
     save_group_optimizer,
+    save_in_flight_state,
     save_outer_state,
     write_counters,
     write_layout_record,
@@ -46,6 +48,7 @@ from .group_gather import gathers_within_group
 from .mesh import (
     FederationLayout,
     destroy_gloo_groups_at_exit,
+    exchange_process_groups,
     fed_process_group,
     group_process_group,
     replica_process_group,
@@ -110,8 +113,13 @@ class FedShardMixin(Trainer):
         self.add_callback(TrainingClock())
         if self.fed_layout.federated:
             fed_group = fed_process_group(self.fed_layout, self.args.fed_exchange_timeout_s)
+            exchange_group, replica_group = fed_group, replica_process_group(self.fed_mesh)
+            if self.args.fed_sync_overlap > 0:  # the worker thread's own groups
+                exchange_group, replica_group = exchange_process_groups(
+                    self.fed_layout, self.args.fed_exchange_timeout_s
+                )
             split = self.args.fed_split_exchange and self.fed_layout.replicas > 1
-            replicas = ProcessGroupCommunicator(replica_process_group(self.fed_mesh)) if split else None
+            replicas = ProcessGroupCommunicator(replica_group) if split else None
             outer_lr, outer_momentum = self.args.fed_outer
             self.fed_callback = FedAvgCallback(
                 fed_group=fed_group,
@@ -121,10 +129,12 @@ class FedShardMixin(Trainer):
                 group=self._group_pg if self.fed_layout.group_size > 1 else None,
                 timeout_s=self.args.fed_timeout_s,
                 before_eval=self._evaluate_each_group if self.args.fed_eval_per_group else None,
-                exchange=Exchange(ProcessGroupCommunicator(fed_group), self.args.fed_sync_dtype, replicas),
+                exchange=Exchange(ProcessGroupCommunicator(exchange_group), self.args.fed_sync_dtype, replicas),
                 outer_lr=outer_lr,
                 outer_momentum=outer_momentum,
                 replicas=self.fed_layout.replicas,
+                schedule=self.args.fed_schedule,
+                outer_on_device=self.args.fed_outer_state_on_device,
             )
             self.add_callback(self.fed_callback)
 
@@ -310,6 +320,8 @@ class FedShardMixin(Trainer):
             self._save_rng_state(checkpoint)
         os.makedirs(group, exist_ok=True)
         write_counters(checkpoint, self._group_index, self.args.process_index, self.fed_callback.state_dict())
+        in_flight = self.fed_callback.in_flight_state_dict()
+        save_in_flight_state(checkpoint, self._group_index, self.args.process_index, in_flight)
         if self._group_index == 0:  # the anchor and outer momentum are the same in every group
             save_outer_state(checkpoint, self.args.process_index, self.fed_callback.outer_state_dict())
         if self.args.should_save:
@@ -346,6 +358,9 @@ class FedShardMixin(Trainer):
         load_group_model(model or self.model, os.path.join(group, "model"), self._group_pg)
         counters = read_counters(resume_from_checkpoint, self._group_index, self.args.process_index)
         self.fed_callback.load_state_dict(counters)
+        self.fed_callback.load_in_flight_state(
+            load_in_flight_state(resume_from_checkpoint, self._group_index, self.args.process_index)
+        )
         position = self.args.process_index % self.fed_layout.group_size
         self.fed_callback.load_outer_state(load_outer_state(resume_from_checkpoint, position))
 

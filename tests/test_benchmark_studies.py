@@ -1,5 +1,5 @@
-"""The scaling and quality studies' arithmetic (no cluster, no training): run shapes, spreads, the √-lr rule,
-and the three-tier report's predictions and targets."""
+"""The scaling, quality and overlap studies' arithmetic (no cluster, no training): run shapes, spreads, the √-lr
+rule, the three-tier report's predictions and targets, and the overlap targets on medians over repetitions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from benchmarks import quality, scaling
+from benchmarks import overlap, quality, scaling
 from benchmarks.report import predicted, targets
 
 
@@ -44,7 +44,7 @@ def test_scaling_spread_and_methods_per_scale():
     assert scaling.methods_at(4, scaling.METHODS) == scaling.METHODS
 
 
-@pytest.mark.parametrize("main", [quality.make_parser, scaling.make_parser])
+@pytest.mark.parametrize("main", [quality.make_parser, scaling.make_parser, overlap.make_parser])
 def test_study_help(main, capsys):
     with pytest.raises(SystemExit):
         main().parse_args(["--help"])
@@ -80,3 +80,27 @@ def test_three_tier_targets():
     assert not rows["HSDP inter-rack bytes within 15% of the model (measured/predicted - 1)"]["met"]  # +20%
     assert rows["FL+HSDP inter-rack bytes within 15% of the model (measured/predicted - 1)"]["met"]
     assert "FL+HSDP tokens/s ≥ 2× HSDP" in {t["target"] for t in targets(methods)}  # two tiers: the old target
+
+
+def test_overlap_study_targets_are_taken_on_the_medians():
+    def run(stream_tokens, stream_wait, ppl):
+        def m(tokens, wait=None, blocking=None, ideal_share=None, perplexity=100.0):
+            return {"tokens_per_s": tokens, "fraction_of_ideal": ideal_share, "loop_wait_ratio": wait,
+                    "averaging_ratio_median": blocking, "final_eval_perplexity": perplexity,
+                    "predicted": {"s_per_step": 1.0}}  # fmt: skip
+
+        return {"methods": {"FL+FSDP": m(80, 1.0, 1.1), "FL+FSDP stream": m(stream_tokens, stream_wait, None, 0.9, ppl),
+                            "ideal": m(100), "LocalSGD": m(90)}}  # fmt: skip
+
+    runs = [run(96, 0.05, 101.0), run(90, 0.30, 101.0), run(97, 0.02, 101.0)]
+    summary = overlap.combine(runs, ("FL+FSDP", "FL+FSDP stream", "ideal", "LocalSGD"))
+    assert summary["methods"]["FL+FSDP stream"]["tokens_per_s"] == {"median": 96, "min": 90, "max": 97, "n": 3}
+    rows = {t["target"]: t for t in summary["targets"]}
+    assert rows["best FL+FSDP (FL+FSDP stream) tokens/s ≥ 95% of ideal"]["measured"] == 0.96
+    assert rows["best FL+FSDP (FL+FSDP stream) tokens/s ≥ LocalSGD's"]["met"]
+    assert rows["FL+FSDP stream loop's wait on exchanges ≤ 10% of bytes ÷ link rate"]["measured"] == 0.05
+    assert rows["FL+FSDP stream eval ppl at equal tokens ≤ 1.02× blocking fp32 FL+FSDP"]["met"]
+    assert rows["blocking FL+FSDP averaging time ≤ 1.2× bytes ÷ link rate"]["met"]
+    assert "| FL+FSDP stream | 96 (90–97) |" in overlap.markdown(
+        {"config": {"nodes": 4, "ranks_per_node": 2, "rate_mbit": 100, "model_size": "tiny", "steps": 32,
+                    "sync_steps": 8}, "repeats": 3, "summary": summary})  # fmt: skip

@@ -68,6 +68,23 @@ def test_step_time_is_bytes_over_bandwidth_plus_compute():
     assert (cost.serial_s, cost.overlapped_s) == (pytest.approx(5.5), pytest.approx(4.0))
 
 
+def test_overlap_hides_the_exchange_behind_tau_steps():
+    """FL+FSDP 2 nodes × 2, P = 1000 fp32, H = 8: an averaging sends 4000 bytes per node, 4 s at 1000 B/s.
+
+    Blocking: 4 s every 8 steps, 0.5 s per step. τ = 1 behind a 1.5 s step: 4 − 1.5 = 2.5 s exposed every 8
+    steps. F = 4, τ = 1: each fragment's exchange takes 1 s < 1.5 s, so nothing is exposed.
+    """
+    model = ModelCost(params=1000, once_params=0, units=1, param_bytes=4, grad_bytes=4, sync_bytes=4)
+    network = Network(inter_node_bytes_s=1000, intra_node_bytes_s=math.inf)
+    layout = FederationLayout(4, 2)
+    blocking = step_cost(model, layout, 2, 8, network, compute_s=1.5)
+    assert blocking.comm_s == pytest.approx(0.5)
+    assert step_cost(model, layout, 2, 8, network, 1.5, overlap=1).comm_s == pytest.approx(2.5 / 8)
+    streamed = step_cost(model, layout, 2, 8, network, 1.5, fragments=4, overlap=1)
+    assert streamed.comm_s == pytest.approx(0.0)
+    assert streamed.inter_bytes_per_node == blocking.inter_bytes_per_node  # the same bytes, hidden
+
+
 P, ONCE = 10_000, 1_000
 B_P, B_G, B_S = 2, 4, 4
 

@@ -170,7 +170,8 @@ class EvalParamsRecorder:
 
 
 class SyncRecorder(TrainerCallback):
-    """Wraps FedAvgCallback.sync and its exchange: full parameters before/after each averaging, local Δ and mean Δ.
+    """Wraps FedAvgCallback's averagings and its exchange: full parameters around each blocking averaging (and
+    the fragments it covered), at each overlapped start and around each apply; local Δ and mean Δ.
 
     Runs after FedAvgCallback, so ``on_train_begin`` sees the first anchor (the averaged initial weights).
     """
@@ -178,22 +179,41 @@ class SyncRecorder(TrainerCallback):
     def __init__(self, trainer: FedShardTrainer) -> None:
         self.trainer = trainer
         self.params: dict[int, tuple[dict, dict]] = {}
+        self.fragments: dict[int, list[int]] = {}
+        self.starts: dict[int, tuple[int, dict]] = {}
+        self.applies: dict[int, tuple[int, int, dict, dict]] = {}
         self.exchanges: dict[int, tuple[list, list]] = {}
         self.start: dict[str, torch.Tensor] = {}
+        self.fragment_names: list[list[str]] = []
         callback = trainer.fed_callback
-        self._sync, self._mean = callback.sync, callback.exchange.mean
-        callback.sync, callback.exchange.mean = self.sync, self.mean
+        self._sync, self._start, self._apply = callback.sync, callback.start, callback.apply
+        self._mean = callback.exchange.mean
+        callback.sync, callback.start, callback.apply = self.sync, self.start_exchange, self.apply
+        callback.exchange.mean = self.mean
 
     def full_params(self) -> dict[str, torch.Tensor]:
         return {n: full_tensor(p) for n, p in self.trainer.model.named_parameters()}
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = self.full_params()
+        names = [n for n, p in self.trainer.model.named_parameters() if p.requires_grad]
+        self.fragment_names = [names[a:b] for a, b in self.trainer.fed_callback.ranges]
 
-    def sync(self, model, optimizer, step: int) -> None:
+    def sync(self, model, optimizer, step: int, fragments=None) -> None:
         before = self.full_params()
-        self._sync(model, optimizer, step)
+        self._sync(model, optimizer, step, fragments)
         self.params[step] = (before, self.full_params())
+        self.fragments[step] = list(range(len(self.fragment_names)) if fragments is None else fragments)
+
+    def start_exchange(self, model, fragment: int, step: int) -> None:
+        self.starts[step] = (fragment, self.full_params())
+        self._start(model, fragment, step)
+
+    def apply(self, model, optimizer, step: int) -> None:
+        flight = self.trainer.fed_callback._in_flight
+        before = self.full_params()
+        self._apply(model, optimizer, step)
+        self.applies[step] = (flight.fragment, flight.start_step, before, self.full_params())
 
     def mean(self, tensors, contributors):
         means, sent = self._mean(tensors, contributors)
@@ -284,6 +304,10 @@ def main(argv: list[str] | None = None) -> None:
         "params_after_export": exporter.params_after if exporter else None,
         "sync_params": syncs.params if syncs else None,
         "sync_exchanges": syncs.exchanges if syncs else None,
+        "sync_fragments": syncs.fragments if syncs else None,
+        "exchange_starts": syncs.starts if syncs else None,
+        "exchange_applies": syncs.applies if syncs else None,
+        "fragment_names": syncs.fragment_names if syncs else None,
         "start_params": syncs.start if syncs else None,
         "eval_params": eval_params.params if eval_params else None,
         "is_dtensor": [isinstance(p, DTensor) for p in trainer.model.parameters()],

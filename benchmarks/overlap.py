@@ -1,0 +1,130 @@
+"""Averaging hidden behind compute: blocking FL+FSDP against overlapped and streamed averaging, repeated.
+
+On the two-tier emulated cluster (4 nodes × 2 ranks, 100 Mbit/s links), each repetition runs every method once
+in the same order, so a drift in the machine's load hits every method of a repetition alike; every figure is
+the median over repetitions with its range. Methods (benchmarks/report.py's VARIANTS):
+
+- FL+FSDP: blocking fp32 FedAvg every H steps (the paper's algorithm);
+- FL+FSDP overlap: the whole model's exchange runs behind τ = 1 step;
+- FL+FSDP stream: F = 4 fragments, one every H/4 steps, each behind τ = 1 step;
+- FL+FSDP stream int8: the same with the int8 codec;
+- ideal: FL+FSDP whose groups never average; LocalSGD: Accelerate's, DDP with a whole model per rank.
+
+The loop's wait is its time inside the averaging callback over the run, divided by (bytes node 0's uplink sent
+÷ link rate); for blocking FL+FSDP the per-averaging ratio of benchmarks/two_tier.py is printed beside it.
+
+    python benchmarks/overlap.py            # 3 repetitions, tiny, 32 steps, H = 8
+    python benchmarks/overlap.py --quick    # 2 nodes, micro, 16 steps, 1 repetition (the harness, not figures)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.report import overlap_targets, run_record, run_record_lines, spread, write_study  # noqa: E402
+from benchmarks.two_tier import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
+
+METHODS = ("FL+FSDP", "FL+FSDP overlap", "FL+FSDP stream", "FL+FSDP stream int8", "ideal", "LocalSGD")
+FIGURES = ("tokens_per_s", "fraction_of_ideal", "loop_wait_ratio", "averaging_ratio_median", "final_eval_perplexity")
+
+
+def combine(runs: list[dict], methods: tuple[str, ...]) -> dict:
+    """Each method's figures over the repetitions (median, min, max), and the targets on the medians."""
+    out = {}
+    for name in methods:
+        figures = {}
+        for key in FIGURES:
+            values = [r["methods"][name][key] for r in runs if r["methods"][name].get(key) is not None]
+            if values:
+                figures[key] = spread(values)
+        figures["predicted_s_per_step"] = statistics.median(r["methods"][name]["predicted"]["s_per_step"] for r in runs)
+        out[name] = figures
+    medians = {name: {k: v["median"] for k, v in f.items() if isinstance(v, dict)} for name, f in out.items()}
+    blocking = medians.get("FL+FSDP", {}).get("averaging_ratio_median")
+    targets = [{"target": label, "measured": value, "bound": bound, "met": value >= bound if sense == "≥" else
+                value <= bound} for label, value, bound, sense in overlap_targets(medians)]  # fmt: skip
+    if blocking is not None:
+        targets.insert(0, {"target": "blocking FL+FSDP averaging time ≤ 1.2× bytes ÷ link rate", "measured": blocking,
+                           "bound": 1.2, "met": blocking <= 1.2})  # fmt: skip
+    return {"methods": out, "targets": targets}
+
+
+def _r(s: dict | None, fmt: str, scale: float = 1.0) -> str:
+    if s is None:
+        return "—"
+    return f"{s['median'] * scale:{fmt}} ({s['min'] * scale:{fmt}}–{s['max'] * scale:{fmt}})"
+
+
+def markdown(results: dict) -> str:
+    cfg = results["config"]
+    lines = [
+        f"{cfg['nodes']} nodes × {cfg['ranks_per_node']} ranks, links {cfg['rate_mbit']:g} Mbit/s, Llama "
+        f"`{cfg['model_size']}`, {cfg['steps']} steps, H = {cfg['sync_steps']}; median (min–max) over "
+        f"{results['repeats']} interleaved repetitions. Loop wait: the training loop's time inside the averaging "
+        "callback ÷ (bytes node 0's uplink sent ÷ link rate); blocking ratio: the same per averaging, as in "
+        "benchmarks/two_tier.py. Predicted s/step: the cost model with the ideal's step as compute.",
+        "",
+        "| method | tokens/s | of ideal | predicted s/step | loop wait ÷ (bytes ÷ rate) | blocking averaging ratio "
+        "| eval ppl, equal tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, f in results["summary"]["methods"].items():
+        lines.append(
+            f"| {name} | {_r(f.get('tokens_per_s'), ',.0f')} | {_r(f.get('fraction_of_ideal'), '.0f', 100)}% | "
+            f"{f['predicted_s_per_step']:.2f} | {_r(f.get('loop_wait_ratio'), '.3f')} | "
+            f"{_r(f.get('averaging_ratio_median'), '.2f')} | {_r(f.get('final_eval_perplexity'), '.1f')} |"
+        )
+    lines += ["", "| target (on the medians) | measured | met |", "|---|---:|:---:|"]
+    for t in results["summary"]["targets"]:
+        lines.append(f"| {t['target']} | {t['measured']:.3f} | {'yes' if t['met'] else '**no**'} |")
+    lines += run_record_lines(results)
+    return "\n".join(lines)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="2 nodes, micro, 16 steps, 1 repetition.")
+    p.add_argument("--repeats", type=int, help="Repetitions (default 3; 1 with --quick).")
+    p.add_argument("--steps", type=int, help="Steps per method (default 32; 16 with --quick).")
+    p.add_argument("--methods", nargs="+", choices=METHODS, help="Default: all.")
+    p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/overlap_<quick|full>).")
+    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    steps = args.steps or (16 if args.quick else 32)
+    cfg = BenchConfig(
+        nodes=2 if args.quick else 4, methods=tuple(args.methods or METHODS), model_size="micro" if args.quick
+        else "tiny", steps=steps, sync_steps=8, warmup_steps=8, eval_steps=steps, eval_samples=32 if args.quick
+        else 64,
+    )  # fmt: skip
+    cfg.validate()
+    out = args.out or REPO / "benchmarks" / "results" / ("overlap_quick" if args.quick else "overlap_full")
+    repeats = args.repeats or (1 if args.quick else 3)
+    started = time.time()
+    runs = []
+    with exclusive_cores("benchmarks/overlap.py"), tempfile.TemporaryDirectory(prefix="fedshard-overlap-") as tmp:
+        for rep in range(repeats):
+            print(f"repetition {rep + 1}/{repeats}", flush=True)
+            runs.append(benchmark(cfg, Path(tmp) / f"r{rep}" / "out", Path(tmp) / f"r{rep}", args.data_cache))
+    results = {"config": asdict(cfg), "repeats": repeats, "summary": combine(runs, cfg.methods), "runs": runs}
+    results.update(run_record("benchmarks/overlap.py", sys.argv[1:] if argv is None else argv, started))
+    print(write_study(out, results, markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
