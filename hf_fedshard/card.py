@@ -19,6 +19,7 @@ from huggingface_hub import EvalResult, ModelCard
 from transformers import TrainerCallback, TrainerState
 
 if TYPE_CHECKING:
+    from .arguments import FedShardTrainingArguments
     from .trainer import FedShardTrainer
 
 TEMPLATE = Path(__file__).parent / "templates" / "card_section.md"
@@ -102,6 +103,19 @@ def setup_description(trainer: FedShardTrainer) -> str:
     return f"data parallel (DDP) over {world} ranks, no FSDP" if world > 1 else "one process, no FSDP"
 
 
+def averaging_description(args: FedShardTrainingArguments) -> str:
+    """The outer optimizer, the wire dtype and the schedule, in one cell."""
+    lr, momentum = args.fed_outer
+    outer = "FedAvg"
+    if args.fed_outer_optimizer == "nesterov":
+        outer = f"Nesterov outer SGD (lr {lr:g}, momentum {momentum:g})"
+    schedule = args.fed_schedule
+    timing = "blocking"
+    if schedule.streaming:
+        timing = f"{schedule.fragments} fragment(s), each {schedule.overlap} step(s) behind"
+    return f"{outer}, Δ sent in {args.fed_sync_dtype}, {timing}"
+
+
 def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> list[tuple[str, str]]:
     """(quantity, value) rows of the card's results table, all read from the run's own records.
 
@@ -120,6 +134,7 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
             ("Shard size (ranks)", str(layout.shard_size)),
             ("H (optimizer steps between averagings)", str(args.fed_sync_steps)),
             ("Group batch (samples per optimizer step)", f"{group_batch}{tokens}"),
+            ("Averaging", averaging_description(args)),
         ]
     else:
         rows.append(("Batch (samples per optimizer step)", f"{group_batch}{tokens}"))

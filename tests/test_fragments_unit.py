@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hf_fedshard.arguments import FedShardTrainingArguments
+from hf_fedshard.callback import FedAvgCallback
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.fragments import Schedule, fragment_ranges, partition, unit_sizes
 from hf_fedshard.outer import OuterOptimizer
@@ -163,3 +164,13 @@ def test_apply_without_snapshots_is_the_blocking_rule():
     delta = outer.deltas([local])
     outer.step(delta, [local])
     assert torch.equal(local, outer.anchor[0])
+
+
+def test_resuming_with_another_number_of_fragments_fails_with_one_line():
+    callback = FedAvgCallback(fed_group=None, num_groups=2, sync_steps=4, schedule=Schedule(4, 2, 1))
+    counters = {"syncs": 3, "inter_group_bytes": 10, "last_sync_seconds": 0.1, "diverged_groups": 0, "synced_at": [4]}
+    with pytest.raises(ConfigError, match="fed_sync_fragments=2, but the checkpoint was written with 1") as err:
+        callback.load_state_dict(counters)
+    assert "\n" not in str(err.value)
+    callback.load_state_dict({**counters, "synced_at": [4, 2]})
+    assert callback.state_dict()["synced_at"] == [4, 2]
