@@ -3,8 +3,8 @@
 When to average comes from `hf_fedshard.fragments` (which fragment starts and applies at each step); what an
 averaging does is composed from the outer optimizer (`hf_fedshard.outer`: anchor, pseudo-gradients), the exchange
 (`hf_fedshard.exchange`: the mean over groups) and its codec (`hf_fedshard.codec`: the wire dtype). An overlapped
-exchange runs on one worker thread, the only user of the inter-group process group while it is in flight: every
-other use of that group (divergence checks, evaluations, saves) waits for it first.
+exchange runs on one worker thread over process groups of its own (`hf_fedshard.mesh.exchange_process_groups`),
+so the main thread's collectives never share a group with it; evaluations, saves and the end wait for it.
 """
 
 from __future__ import annotations
@@ -153,6 +153,11 @@ class FedAvgCallback(TrainerCallback):
         self.replicas = replicas
         self.schedule = schedule or Schedule(sync_steps)
         self.schedule.validate()
+        if self.schedule.overlap and exchange is None:
+            raise ValueError(
+                "FedAvgCallback: an overlapped schedule needs an `exchange` over process groups of its own "
+                "(hf_fedshard.mesh.exchange_process_groups): the worker thread must not share fed_group."
+            )
         self.outer_on_device = outer_on_device
         self.outers: list[OuterOptimizer] = []  # one per fragment, built when training starts on the sharded model
         self.ranges: list[tuple[int, int]] = []  # each fragment's [start, stop) in the trainable parameters
@@ -169,6 +174,7 @@ class FedAvgCallback(TrainerCallback):
         self.total_wait_seconds = 0.0
         self.diverged_groups = 0
         self._synced_at = [0] * self.schedule.fragments  # the step each fragment was last equal in every group
+        self._groups_evaluated_at: int | None = None  # the step `before_eval` last ran at
         self._diverged_at_step: int | None = None
         self._output_dir: str | None = None
 
@@ -233,6 +239,16 @@ class FedAvgCallback(TrainerCallback):
 
     def load_in_flight_state(self, state: dict | None) -> None:
         """Restore a checkpoint's exchange in flight: it is applied at its scheduled step, as without the stop."""
+        if state is not None and (
+            state["apply_step"] - state["start_step"] != self.schedule.overlap
+            or self.schedule.starting(state["start_step"]) != state["fragment"]
+        ):
+            raise ConfigError(
+                f"the checkpoint holds an exchange started at step {state['start_step']} for step "
+                f"{state['apply_step']}, which fed_sync_steps={self.schedule.sync_steps}, fed_sync_fragments="
+                f"{self.schedule.fragments}, fed_sync_overlap={self.schedule.overlap} do not schedule. Resume with "
+                "the schedule the checkpoint was written with."
+            )
         self._in_flight = None if state is None else InFlight.from_state_dict(state)
 
     def payload(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
@@ -328,11 +344,15 @@ class FedAvgCallback(TrainerCallback):
         """One more averaging, which held the training loop ``blocked_s`` (``waited_s`` of it on the network)."""
         self.last_sync_seconds, self.last_wait_seconds = blocked_s, waited_s
         self.total_sync_seconds += blocked_s
-        self.total_wait_seconds += waited_s
         self.syncs += 1
 
     def start(self, model: nn.Module, fragment: int, step: int) -> None:
         """Start ``fragment``'s exchange on the worker thread; `apply` finishes it ``overlap`` steps later."""
+        if self._in_flight is not None:
+            raise RuntimeError(
+                f"hf_fedshard: an exchange started at step {self._in_flight.start_step} is still in flight at step "
+                f"{step}; the schedule applies one before the next starts (fed_sync_overlap < H / F)."
+            )
         begin = time.perf_counter()
         tensors = model_state_tensors(model)
         params, others = self._split_payload(tensors)
@@ -365,6 +385,7 @@ class FedAvgCallback(TrainerCallback):
         """The mean Δ, on the worker thread (on CUDA: its own stream, after Δ was computed on the main one)."""
         if ready is None:
             return self.exchange.mean(deltas, contributors)
+        torch.cuda.set_device(deltas[0].device)  # a new thread starts on device 0
         stream = torch.cuda.Stream(device=deltas[0].device)
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
@@ -372,19 +393,23 @@ class FedAvgCallback(TrainerCallback):
         stream.synchronize()
         return result
 
-    def _wait_in_flight(self) -> None:
-        """Let the exchange in flight finish (not applied): the inter-group group is then free for this thread."""
-        if self._in_flight is not None and self._in_flight.result is None:
-            begin = time.perf_counter()
-            with self._explain_failures(self._in_flight.start_step):
-                self._in_flight.wait()
-            self._in_flight.blocked_s += time.perf_counter() - begin
+    def _wait_in_flight(self) -> float:
+        """Let the exchange in flight finish (not applied); returns the seconds the loop waited, counted as such."""
+        if self._in_flight is None or self._in_flight.result is not None:
+            return 0.0
+        begin = time.perf_counter()
+        with self._explain_failures(self._in_flight.start_step):
+            self._in_flight.wait()
+        waited = time.perf_counter() - begin
+        self._in_flight.blocked_s += waited
+        self.total_wait_seconds += waited
+        return waited
 
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> None:
         """Finish the exchange in flight: the outer step on its mean Δ, keeping the local progress made since."""
-        flight, begin = self._in_flight, time.perf_counter()
-        self._wait_in_flight()
-        waited = time.perf_counter() - begin
+        flight = self._in_flight
+        waited = self._wait_in_flight()
+        begin = time.perf_counter()
         means, sent = flight.wait()
         tensors = model_state_tensors(model)
         params, _ = self._split_payload(tensors)
@@ -393,7 +418,9 @@ class FedAvgCallback(TrainerCallback):
         deltas = outer.deltas(flight.snapshots) if flight.contribute else [torch.zeros_like(m) for m in means]
         self._measure(deltas, means, flight.contribute, flight.contributors)
         self._in_flight = None
-        diverged = sorted(set(flight.diverged) | set(self.diverged(tensors, step)))
+        diverged_now = self.diverged(tensors, step)
+        self._check_not_all_diverged(diverged_now, step)
+        diverged = sorted(set(flight.diverged) | set(diverged_now))
         mine_diverged = get_rank(self.fed_group) in diverged
         outer.step(means, params[a:b], None if mine_diverged else flight.snapshots)
         if tensors and tensors[0].is_cuda:
@@ -488,8 +515,8 @@ class FedAvgCallback(TrainerCallback):
         if self._identical_at(step):
             yield
             return
-        if evaluating and self.before_eval is not None:
-            self.before_eval()
+        if evaluating:
+            self._evaluate_groups(step)
         tensors = model_state_tensors(model)
         own = [t.clone() for t in tensors]
         diverged = self.diverged(tensors, step)
@@ -507,6 +534,21 @@ class FedAvgCallback(TrainerCallback):
             with torch.no_grad():
                 for tensor, saved in zip(model_state_tensors(model), own, strict=True):
                     tensor.copy_(saved)
+
+    def _evaluate_groups(self, step: int) -> None:
+        """Each group's own evaluation (``before_eval``), once per step, while the groups still differ."""
+        if self.before_eval is not None and self._groups_evaluated_at != step:
+            self._groups_evaluated_at = step
+            self.before_eval()
+
+    def average_models(self, model: nn.Module, step: int) -> None:
+        """Make every group's model the groups' plain average now (a collective), e.g. after each group reloaded
+        its own best checkpoint: what is then saved is one global model."""
+        self._wait_in_flight()
+        self._in_flight = None
+        with self._explain_failures(step):
+            self.inter_group_bytes += average_across_groups(model_state_tensors(model), self.fed_group, self.num_groups)
+        self._synced_at = [step] * self.schedule.fragments
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         # A fresh run averages the initial weights into the first anchor; a resumed one restores its checkpoint's.
@@ -583,8 +625,8 @@ class FedAvgCallback(TrainerCallback):
         if fragment is None and not stopping:
             return
         if stopping or self.schedule.overlap == 0:
-            if evaluating and self.before_eval is not None and not self._identical_at(step):
-                self.before_eval()
+            if evaluating and not self._identical_at(step):
+                self._evaluate_groups(step)
             if stopping:
                 self.finish(model, optimizer, step)
             elif self._synced_at[fragment] < step:

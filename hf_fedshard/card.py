@@ -110,9 +110,8 @@ def averaging_description(args: FedShardTrainingArguments) -> str:
     if args.fed_outer_optimizer == "nesterov":
         outer = f"Nesterov outer SGD (lr {lr:g}, momentum {momentum:g})"
     schedule = args.fed_schedule
-    timing = "blocking"
-    if schedule.streaming:
-        timing = f"{schedule.fragments} fragment(s), each {schedule.overlap} step(s) behind"
+    timing = f"{schedule.fragments} fragment(s), " if schedule.fragments > 1 else ""
+    timing += f"each exchange {schedule.overlap} step(s) behind training" if schedule.overlap else "blocking"
     return f"{outer}, Δ sent in {args.fed_sync_dtype}, {timing}"
 
 

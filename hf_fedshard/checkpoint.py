@@ -284,7 +284,7 @@ def save_in_flight_state(checkpoint: str, group: int, rank: int, state: dict | N
         torch.save(state, in_flight_path(checkpoint, group, rank))
 
 
-def load_in_flight_state(checkpoint: str, group: int, rank: int) -> dict | None:
-    """This rank's exchange in flight at the save, or ``None`` when there was none."""
+def load_in_flight_state(checkpoint: str, group: int, rank: int, device: torch.device) -> dict | None:
+    """This rank's exchange in flight at the save (its tensors on ``device``), or ``None`` when there was none."""
     path = in_flight_path(checkpoint, group, rank)
-    return torch.load(path, weights_only=True) if os.path.isfile(path) else None
+    return torch.load(path, map_location=device, weights_only=True) if os.path.isfile(path) else None

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
 
+import torch
 import torch.distributed as dist
 from accelerate import ParallelismConfig
 from torch.distributed import ProcessGroup, new_subgroups_by_enumeration
@@ -198,14 +199,26 @@ def fed_process_group(layout: FederationLayout, timeout_s: float) -> ProcessGrou
     return group
 
 
-def exchange_process_groups(layout: FederationLayout, timeout_s: float) -> tuple[ProcessGroup, ProcessGroup]:
-    """(peers in the other groups, replicas in this group) for the overlapped exchange's worker thread alone.
+def exchange_process_groups(
+    layout: FederationLayout, timeout_s: float, with_replicas: bool
+) -> tuple[ProcessGroup, ProcessGroup | None]:
+    """(peers in the other groups, replicas in this group if ``with_replicas``) for the overlapped exchange's
+    worker thread alone.
 
     Two threads must not issue collectives on one process group (their order could differ between ranks), and
-    the main thread keeps using the inter-group group (divergence flags, metrics) and FSDP the replica one.
+    the main thread keeps using the inter-group group (divergence flags, metrics) and FSDP the replica one. Each
+    new group runs one tiny all-reduce here, on the main thread, so that NCCL creates its communicator now rather
+    than in the worker while FSDP's kernels run.
     """
-    fed, _ = new_subgroups_by_enumeration(layout.fed_peer_ranks(), timeout=timedelta(seconds=timeout_s))
-    replicas, _ = new_subgroups_by_enumeration(layout.replica_peer_ranks(), timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    fed, _ = new_subgroups_by_enumeration(layout.fed_peer_ranks(), timeout=timeout)
+    replicas = None
+    if with_replicas:
+        replicas, _ = new_subgroups_by_enumeration(layout.replica_peer_ranks(), timeout=timeout)
+    for group in (fed, replicas):
+        if group is not None:
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
     return fed, replicas
 
 

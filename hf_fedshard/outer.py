@@ -52,8 +52,9 @@ class OuterOptimizer:
 
     @staticmethod
     def _hold(tensor: torch.Tensor, device) -> torch.Tensor:
-        held = tensor.to(device or tensor.device, copy=True)
-        return held.pin_memory() if held.device.type == "cpu" and tensor.is_cuda else held
+        device = torch.device(device or tensor.device)
+        pinned = device.type == "cpu" and tensor.is_cuda
+        return torch.empty_like(tensor, device=device, pin_memory=pinned).copy_(tensor)
 
     @property
     def nbytes(self) -> int:

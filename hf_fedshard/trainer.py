@@ -113,12 +113,12 @@ class FedShardMixin(Trainer):
         self.add_callback(TrainingClock())
         if self.fed_layout.federated:
             fed_group = fed_process_group(self.fed_layout, self.args.fed_exchange_timeout_s)
-            exchange_group, replica_group = fed_group, replica_process_group(self.fed_mesh)
+            split = self.args.fed_split_exchange and self.fed_layout.replicas > 1
+            exchange_group, replica_group = fed_group, replica_process_group(self.fed_mesh) if split else None
             if self.args.fed_sync_overlap > 0:  # the worker thread's own groups
                 exchange_group, replica_group = exchange_process_groups(
-                    self.fed_layout, self.args.fed_exchange_timeout_s
+                    self.fed_layout, self.args.fed_exchange_timeout_s, split
                 )
-            split = self.args.fed_split_exchange and self.fed_layout.replicas > 1
             replicas = ProcessGroupCommunicator(replica_group) if split else None
             outer_lr, outer_momentum = self.args.fed_outer
             self.fed_callback = FedAvgCallback(
@@ -359,7 +359,7 @@ class FedShardMixin(Trainer):
         counters = read_counters(resume_from_checkpoint, self._group_index, self.args.process_index)
         self.fed_callback.load_state_dict(counters)
         self.fed_callback.load_in_flight_state(
-            load_in_flight_state(resume_from_checkpoint, self._group_index, self.args.process_index)
+            load_in_flight_state(resume_from_checkpoint, self._group_index, self.args.process_index, self.args.device)
         )
         position = self.args.process_index % self.fed_layout.group_size
         self.fed_callback.load_outer_state(load_outer_state(resume_from_checkpoint, position))
@@ -380,6 +380,7 @@ class FedShardMixin(Trainer):
             return super()._load_best_model()
         group = group_dir(self.state.best_model_checkpoint, self._group_index)
         load_group_model(self.model, os.path.join(group, "model"), self._group_pg)
+        self.fed_callback.average_models(self.model, self.state.global_step)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # Export the global model in the Hugging Face format: the groups' plain average between averagings (each

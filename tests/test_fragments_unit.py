@@ -12,6 +12,7 @@ from torch import nn
 from hf_fedshard.arguments import FedShardTrainingArguments
 from hf_fedshard.callback import FedAvgCallback
 from hf_fedshard.errors import ConfigError
+from hf_fedshard.exchange import Exchange
 from hf_fedshard.fragments import Schedule, fragment_ranges, partition, unit_sizes
 from hf_fedshard.outer import OuterOptimizer
 
@@ -167,10 +168,26 @@ def test_apply_without_snapshots_is_the_blocking_rule():
 
 
 def test_resuming_with_another_number_of_fragments_fails_with_one_line():
-    callback = FedAvgCallback(fed_group=None, num_groups=2, sync_steps=4, schedule=Schedule(4, 2, 1))
+    callback = FedAvgCallback(None, num_groups=2, sync_steps=4, exchange=Exchange(None), schedule=Schedule(4, 2, 1))
     counters = {"syncs": 3, "inter_group_bytes": 10, "last_sync_seconds": 0.1, "diverged_groups": 0, "synced_at": [4]}
     with pytest.raises(ConfigError, match="fed_sync_fragments=2, but the checkpoint was written with 1") as err:
         callback.load_state_dict(counters)
     assert "\n" not in str(err.value)
     callback.load_state_dict({**counters, "synced_at": [4, 2]})
     assert callback.state_dict()["synced_at"] == [4, 2]
+
+
+def test_an_overlapped_callback_needs_an_exchange_of_its_own():
+    with pytest.raises(ValueError, match="an overlapped schedule needs an `exchange`"):
+        FedAvgCallback(None, num_groups=2, sync_steps=4, schedule=Schedule(4, 1, 1))
+
+
+def test_resuming_an_exchange_the_schedule_does_not_hold_fails_with_one_line():
+    callback = FedAvgCallback(None, num_groups=2, sync_steps=8, exchange=Exchange(None), schedule=Schedule(8, 4, 1))
+    state = {"fragment": 0, "start_step": 2, "apply_step": 4, "snapshots": [], "contribute": True, "contributors": 2,
+             "diverged": [], "blocked_s": 0.0, "means": [], "sent": 0}  # fmt: skip
+    with pytest.raises(ConfigError, match="started at step 2 for step 4, which fed_sync_steps=8") as err:
+        callback.load_in_flight_state(state)
+    assert "\n" not in str(err.value)
+    callback.load_in_flight_state({**state, "apply_step": 3})
+    assert callback._in_flight.apply_step == 3
