@@ -287,4 +287,7 @@ def save_in_flight_state(checkpoint: str, group: int, rank: int, state: dict | N
 def load_in_flight_state(checkpoint: str, group: int, rank: int, device: torch.device) -> dict | None:
     """This rank's exchange in flight at the save (its tensors on ``device``), or ``None`` when there was none."""
     path = in_flight_path(checkpoint, group, rank)
-    return torch.load(path, map_location=device, weights_only=True) if os.path.isfile(path) else None
+    if not os.path.isfile(path):
+        return None
+    location = "cpu" if device.type == "cpu" else device  # torch.load does not restore onto "cpu:0"
+    return torch.load(path, map_location=location, weights_only=True)
