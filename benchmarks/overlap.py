@@ -10,16 +10,22 @@ the median over repetitions with its range. Methods (benchmarks/report.py's VARI
 - FL+FSDP stream int8: the same with the int8 codec;
 - ideal: FL+FSDP whose groups never average; LocalSGD: Accelerate's, DDP with a whole model per rank.
 
-The loop's wait is its time inside the averaging callback over the run, divided by (bytes node 0's uplink sent
-÷ link rate); for blocking FL+FSDP the per-averaging ratio of benchmarks/two_tier.py is printed beside it.
+Two times are divided by (bytes node 0's uplink sent ÷ link rate): the *exchange wait*, the seconds rank 0 waited
+for overlapped exchanges to finish (``fed_sync_wait_seconds_total``, the issue's target), and the *callback time*,
+the training loop's whole time inside the averaging callback (snapshots, divergence checks, norms, outer steps,
+and for blocking averaging the exchange itself). For blocking FL+FSDP the per-averaging ratio of
+benchmarks/two_tier.py is printed beside them. ``--report-only results.json`` rewrites the tables of a finished
+run without running anything.
 
     python benchmarks/overlap.py            # 3 repetitions, tiny, 32 steps, H = 8
     python benchmarks/overlap.py --quick    # 2 nodes, micro, 16 steps, 1 repetition (the harness, not figures)
+    python benchmarks/overlap.py --report-only benchmarks/results/overlap_full/results.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -32,16 +38,31 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
     sys.path.insert(0, str(REPO))
 
 from benchmarks.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.report import overlap_targets, run_record, run_record_lines, spread, write_study  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    OVERLAPPED,
+    exchange_wait_ratio,
+    overlap_targets,
+    run_record,
+    run_record_lines,
+    spread,
+    write_study,
+)
 from benchmarks.two_tier import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
 
 METHODS = ("FL+FSDP", "FL+FSDP overlap", "FL+FSDP stream", "FL+FSDP stream int8", "ideal", "LocalSGD")
-FIGURES = ("tokens_per_s", "fraction_of_ideal", "loop_wait_ratio", "averaging_ratio_median", "final_eval_perplexity")
+FIGURES = ("tokens_per_s", "fraction_of_ideal", "exchange_wait_ratio", "loop_wait_ratio", "averaging_ratio_median",
+           "final_eval_perplexity")  # fmt: skip
 
 
 def combine(runs: list[dict], methods: tuple[str, ...]) -> dict:
     """Each method's figures over the repetitions (median, min, max), and the targets on the medians."""
     out = {}
+    for run in runs:  # the exchange wait from each run's stored counters (runs written before it was a figure)
+        rate = run.get("config", {}).get("rate_mbit", 100.0) * 1e6 / 8
+        for name, m in run["methods"].items():
+            m["exchange_wait_ratio"] = exchange_wait_ratio(m, rate) if name in OVERLAPPED else None
+            if name in OVERLAPPED:
+                m["averaging_ratio_median"] = None  # its steps are not where an overlapped exchange runs
     for name in methods:
         figures = {}
         for key in FIGURES:
@@ -71,18 +92,20 @@ def markdown(results: dict) -> str:
     lines = [
         f"{cfg['nodes']} nodes × {cfg['ranks_per_node']} ranks, links {cfg['rate_mbit']:g} Mbit/s, Llama "
         f"`{cfg['model_size']}`, {cfg['steps']} steps, H = {cfg['sync_steps']}; median (min–max) over "
-        f"{results['repeats']} interleaved repetitions. Loop wait: the training loop's time inside the averaging "
-        "callback ÷ (bytes node 0's uplink sent ÷ link rate); blocking ratio: the same per averaging, as in "
+        f"{results['repeats']} interleaved repetitions. Exchange wait: seconds rank 0 waited for overlapped "
+        "exchanges ÷ (bytes node 0's uplink sent ÷ link rate); callback time: the loop's whole time in the averaging "
+        "callback, over the same; blocking ratio: an averaging's time ÷ its bytes ÷ rate, as in "
         "benchmarks/two_tier.py. Predicted s/step: the cost model with the ideal's step as compute.",
         "",
-        "| method | tokens/s | of ideal | predicted s/step | loop wait ÷ (bytes ÷ rate) | blocking averaging ratio "
-        "| eval ppl, equal tokens |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | tokens/s | of ideal | predicted s/step | exchange wait ÷ (bytes ÷ rate) | callback time ÷ "
+        "(bytes ÷ rate) | blocking averaging ratio | eval ppl, equal tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, f in results["summary"]["methods"].items():
         lines.append(
             f"| {name} | {_r(f.get('tokens_per_s'), ',.0f')} | {_r(f.get('fraction_of_ideal'), '.0f', 100)}% | "
-            f"{f['predicted_s_per_step']:.2f} | {_r(f.get('loop_wait_ratio'), '.3f')} | "
+            f"{f['predicted_s_per_step']:.2f} | {_r(f.get('exchange_wait_ratio'), '.4f')} | "
+            f"{_r(f.get('loop_wait_ratio'), '.3f')} | "
             f"{_r(f.get('averaging_ratio_median'), '.2f')} | {_r(f.get('final_eval_perplexity'), '.1f')} |"
         )
     lines += ["", "| target (on the medians) | measured | met |", "|---|---:|:---:|"]
@@ -100,11 +123,17 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", choices=METHODS, help="Default: all.")
     p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/overlap_<quick|full>).")
     p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
+    p.add_argument("--report-only", type=Path, help="Rewrite the tables of this results.json; run nothing.")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    if args.report_only:
+        results = json.loads(args.report_only.read_text())
+        results["summary"] = combine(results["runs"], tuple(results["config"]["methods"]))
+        print(write_study(args.report_only.parent, results, markdown))
+        return 0
     steps = args.steps or (16 if args.quick else 32)
     cfg = BenchConfig(
         nodes=2 if args.quick else 4, methods=tuple(args.methods or METHODS), model_size="micro" if args.quick
