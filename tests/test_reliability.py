@@ -73,10 +73,10 @@ def test_each_group_saves_its_own_shards(reference, tmp_path):
     assert not torch.equal(between[0][name], between[1][name])  # groups differ between averagings
     assert all(torch.equal(on_sync[0][k], on_sync[1][k]) for k in on_sync[0])  # and agree right after one
     counters = json.loads((out / "checkpoint-4" / "fed_group1" / "fedavg_rank3.json").read_text())
-    assert (counters["syncs"], counters["last_synced_step"]) == (2, 4)  # step 0's averaging, then step 4's
+    assert (counters["syncs"], counters["synced_at"]) == (2, [4])  # step 0's averaging, then step 4's
     names = list(runs[0]["local_params"])  # the order of model.parameters(), which the anchor follows
     for position in (0, 1):  # right after an averaging, each position's anchor is its shard of the model
-        anchor = torch.load(out / "checkpoint-4" / "fed_outer" / f"position{position}.pt")["anchor"]
+        anchor = torch.load(out / "checkpoint-4" / "fed_outer" / f"position{position}.pt")["fragments"][0]["anchor"]
         for name, shard in zip(names, anchor, strict=True):
             assert torch.equal(shard, on_sync[0][name].chunk(2)[position]), name
 
