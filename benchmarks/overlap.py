@@ -41,6 +41,8 @@ from benchmarks.exclusive import exclusive_cores  # noqa: E402
 from benchmarks.report import (  # noqa: E402
     OVERLAPPED,
     exchange_wait_ratio,
+    judge,
+    median_range,
     overlap_targets,
     run_record,
     run_record_lines,
@@ -73,18 +75,8 @@ def combine(runs: list[dict], methods: tuple[str, ...]) -> dict:
         out[name] = figures
     medians = {name: {k: v["median"] for k, v in f.items() if isinstance(v, dict)} for name, f in out.items()}
     blocking = medians.get("FL+FSDP", {}).get("averaging_ratio_median")
-    targets = [{"target": label, "measured": value, "bound": bound, "met": value >= bound if sense == "≥" else
-                value <= bound} for label, value, bound, sense in overlap_targets(medians)]  # fmt: skip
-    if blocking is not None:
-        targets.insert(0, {"target": "blocking FL+FSDP averaging time ≤ 1.2× bytes ÷ link rate", "measured": blocking,
-                           "bound": 1.2, "met": blocking <= 1.2})  # fmt: skip
-    return {"methods": out, "targets": targets}
-
-
-def _r(s: dict | None, fmt: str, scale: float = 1.0) -> str:
-    if s is None:
-        return "—"
-    return f"{s['median'] * scale:{fmt}} ({s['min'] * scale:{fmt}}–{s['max'] * scale:{fmt}})"
+    blocking_row = ("blocking FL+FSDP averaging time ≤ 1.2× bytes ÷ link rate", blocking, 1.2, "≤")
+    return {"methods": out, "targets": judge([blocking_row, *overlap_targets(medians)])}
 
 
 def markdown(results: dict) -> str:
@@ -102,12 +94,16 @@ def markdown(results: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, f in results["summary"]["methods"].items():
-        lines.append(
-            f"| {name} | {_r(f.get('tokens_per_s'), ',.0f')} | {_r(f.get('fraction_of_ideal'), '.0f', 100)}% | "
-            f"{f['predicted_s_per_step']:.2f} | {_r(f.get('exchange_wait_ratio'), '.4f')} | "
-            f"{_r(f.get('loop_wait_ratio'), '.3f')} | "
-            f"{_r(f.get('averaging_ratio_median'), '.2f')} | {_r(f.get('final_eval_perplexity'), '.1f')} |"
-        )
+        cells = [
+            median_range(f.get("tokens_per_s"), ",.0f"),
+            median_range(f.get("fraction_of_ideal"), ".0f", 100) + "%",
+            f"{f['predicted_s_per_step']:.2f}",
+            median_range(f.get("exchange_wait_ratio"), ".4f"),
+            median_range(f.get("loop_wait_ratio"), ".3f"),
+            median_range(f.get("averaging_ratio_median"), ".2f"),
+            median_range(f.get("final_eval_perplexity"), ".1f"),
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "| target (on the medians) | measured | met |", "|---|---:|:---:|"]
     for t in results["summary"]["targets"]:
         lines.append(f"| {t['target']} | {t['measured']:.3f} | {'yes' if t['met'] else '**no**'} |")

@@ -204,6 +204,11 @@ def targets(methods: dict, three_tier: bool = False) -> list[dict]:
             error = m["inter_rack_bytes_per_step"] / m["predicted"]["inter_rack_bytes_per_step"] - 1
             rows.append((f"{name} inter-rack bytes within 15% of the model (measured/predicted - 1)", error,
                          BYTES_TOLERANCE, "|≤|"))  # fmt: skip
+    return judge(rows)
+
+
+def judge(rows: list[tuple[str, float | None, float, str]]) -> list[dict]:
+    """(label, measured, bound, sense) rows as target records saying whether each is met; unmeasured rows dropped."""
     out = []
     for label, value, bound, sense in rows:
         if value is None:
@@ -416,6 +421,13 @@ def update_readme(results: dict, out: Path, readme: Path, block: str = "results"
 def spread(values: list[float]) -> dict:
     """Median and range of ``values`` over repetitions: what the repeated studies print every figure with."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def median_range(s: dict | None, fmt: str = ".2f", scale: float = 1.0) -> str:
+    """A `spread` as "median (min–max)", each times ``scale`` in ``fmt``; "—" for no figure."""
+    if s is None:
+        return "—"
+    return f"{s['median'] * scale:{fmt}} ({s['min'] * scale:{fmt}}–{s['max'] * scale:{fmt}})"
 
 
 def run_record(script: str, argv: list[str], started: float) -> dict[str, object]:

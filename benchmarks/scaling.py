@@ -31,7 +31,14 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
     sys.path.insert(0, str(REPO))
 
 from benchmarks.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.report import layout_of, run_record, run_record_lines, spread, write_study  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    layout_of,
+    median_range,
+    run_record,
+    run_record_lines,
+    spread,
+    write_study,
+)
 from benchmarks.two_tier import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
 from hf_fedshard.cost import model_state_bytes_per_rank  # noqa: E402
 
@@ -75,10 +82,6 @@ def study(base: BenchConfig, scales: tuple[int, ...], repeats: int, work: Path, 
     return {"config": asdict(base), "scales": list(scales), "repeats": repeats, "points": points, "runs": raw}
 
 
-def _r(s: dict, fmt: str = ".2f", scale: float = 1.0) -> str:
-    return f"{s['median'] * scale:{fmt}} ({s['min'] * scale:{fmt}}–{s['max'] * scale:{fmt}})"
-
-
 def markdown(results: dict) -> str:
     cfg = results["config"]
     lines = [
@@ -96,9 +99,9 @@ def markdown(results: dict) -> str:
     for nodes, methods in results["points"].items():
         for name, p in methods.items():
             lines.append(
-                f"| {nodes} | {name} | {_r(p['speedup_vs_fsdp'])} | {p['predicted_speedup_vs_fsdp']:.2f} | "
-                f"{_r(p['fraction_of_ideal'], '.0f', 100)}% | {_r(p['tokens_per_s'], ',.0f')} | "
-                f"{_r(p['memory_added_bytes'], '.0f', 1e-6)} | {p['model_state_bytes_predicted'] / 1e6:.1f} |"
+                f"| {nodes} | {name} | {median_range(p['speedup_vs_fsdp'])} | {p['predicted_speedup_vs_fsdp']:.2f} | "
+                f"{median_range(p['fraction_of_ideal'], '.0f', 100)}% | {median_range(p['tokens_per_s'], ',.0f')} | "
+                f"{median_range(p['memory_added_bytes'], '.0f', 1e-6)} | {p['model_state_bytes_predicted'] / 1e6:.1f} |"
             )
     lines += run_record_lines(results)
     return "\n".join(lines)
