@@ -77,6 +77,14 @@ class QualityConfig:
                     f"W={world}: --group-size {self.group_size} and --fsdp-ranks {self.fsdp_ranks} must divide it, "
                     f"and H={self.sync_steps} its {steps} steps (so that the last step averages)."
                 )
+        if self.eval_samples % max(self.worlds):
+            largest = max(self.worlds)
+            raise ValueError(f"eval_samples={self.eval_samples} must be a multiple of the largest world {largest}.")
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Per device: the largest world reads the eval set in one batch per rank, so every run reads all of it."""
+        return self.eval_samples // max(self.worlds)
 
     def learning_rate_of(self, variant: str, world: int) -> float:
         """√-lr: the rate scaled by √(FSDP's batch / FL+FSDP's group batch) = √(W / group size)."""
@@ -88,7 +96,7 @@ def run_args(cfg: QualityConfig, variant: str, world: int, seed: int) -> tuple[i
     steps = cfg.steps(world)
     shared = [
         "--model_size", cfg.model_size, "--per_device_train_batch_size", str(cfg.batch_size),
-        "--per_device_eval_batch_size", "8", "--max_steps", str(steps),
+        "--per_device_eval_batch_size", str(cfg.eval_batch_size), "--max_steps", str(steps),
         "--learning_rate", str(cfg.learning_rate_of(variant, world)), "--lr_scheduler_type", "constant",
         "--warmup_steps", "0", "--weight_decay", "0", "--max_grad_norm", "1.0", "--seed", str(seed),
         "--eval_strategy", "steps", "--eval_steps", str(steps), "--logging_steps", str(steps),

@@ -309,6 +309,23 @@ class FedShardArgumentsMixin:
                 "dataset, or lower --per_device_train_batch_size or --gradient_accumulation_steps."
             )
 
+    def check_eval_dataset_size(self, num_samples: int, description: str = "eval_dataset") -> None:
+        """Refuse an evaluation that `dataloader_drop_last` would leave without a batch on every rank.
+
+        Each rank reads num_samples ÷ WORLD_SIZE samples; below one batch, Trainer evaluates nothing and logs
+        no eval_loss, which surfaces later as a KeyError far from its cause.
+        """
+        world = self.fed_layout.world_size
+        world_batch = self.per_device_eval_batch_size * world
+        if self.dataloader_drop_last and num_samples < world_batch:
+            raise ConfigError(
+                f"{description} has {num_samples} samples, fewer than one batch on every rank: "
+                f"per_device_eval_batch_size({self.per_device_eval_batch_size}) × WORLD_SIZE({world}) = {world_batch}"
+                " with dataloader_drop_last=True, so evaluation would see no batch and log no eval_loss. Lower "
+                f"--per_device_eval_batch_size to {max(1, num_samples // world)} or less, or set "
+                "--dataloader_drop_last false."
+            )
+
     def _check_sharding_backend(self) -> None:
         """Federation runs on FSDP2 only; say so before `TrainingArguments` sets up any process group."""
         if self.deepspeed or _env_flag("ACCELERATE_USE_DEEPSPEED"):

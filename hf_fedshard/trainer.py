@@ -181,10 +181,12 @@ class FedShardMixin(Trainer):
             f"optimizer step; the world reads {group_batch * self.fed_layout.num_groups} samples per step"
         )
 
-    def _get_dataloader(self, *args: Any, **kwargs: Any):
+    def _get_dataloader(self, dataset: Any, description: str, *args: Any, **kwargs: Any):
+        if not kwargs.get("is_training") and has_length(dataset):
+            self.args.check_eval_dataset_size(len(dataset), f"{description} dataset")
         # Accelerate shards batches over the mesh's dp axes (one group); groups must read disjoint data.
         with world_data_view(self.accelerator):
-            return super()._get_dataloader(*args, **kwargs)
+            return super()._get_dataloader(dataset, description, *args, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         # Evaluate the global model (the groups' plain average); each group keeps training its own afterwards.

@@ -236,3 +236,34 @@ def test_notices_are_said_once_and_by_rank_0_only(monkeypatch, caplog):
             notices.notice("turning on %s on rank %s", "FSDP2", "0" if rank == "0" else "other")
     assert caplog.text.count("hf_fedshard: turning on FSDP2 on rank 0") == 1
     assert "rank other" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("samples", "batch", "drop_last", "fails"),
+    [(24, 8, True, True), (32, 8, True, False), (24, 8, False, False), (3, 1, True, True)],
+)
+def test_evaluation_that_drop_last_leaves_without_a_batch(tmp_path, world4_no_setup, samples, batch, drop_last, fails):
+    args = make_args(tmp_path, per_device_eval_batch_size=batch, dataloader_drop_last=drop_last)
+    if not fails:
+        args.check_eval_dataset_size(samples)
+        return
+    with pytest.raises(
+        ConfigError,
+        match=rf"^eval_dataset has {samples} samples, fewer than one batch on every rank: "
+        rf"per_device_eval_batch_size\({batch}\) × WORLD_SIZE\(4\) = {batch * 4} with dataloader_drop_last=True, "
+        rf".* Lower --per_device_eval_batch_size to {max(1, samples // 4)} or less",
+    ):
+        args.check_eval_dataset_size(samples)
+
+
+def test_trainer_refuses_an_evaluation_without_a_batch(tmp_path, monkeypatch):
+    """One process, 3 eval samples, batches of 4 dropped when short: evaluate() says why instead of no eval_loss."""
+    for name in ("WORLD_SIZE", "ACCELERATE_USE_FSDP", "FSDP_VERSION"):
+        monkeypatch.delenv(name, raising=False)
+    args = FedShardTrainingArguments(
+        output_dir=str(tmp_path), report_to="none", per_device_eval_batch_size=4, dataloader_drop_last=True
+    )
+    samples = [{"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4]}] * 3
+    trainer = FedShardTrainer(model=llama(), args=args, eval_dataset=samples)
+    with pytest.raises(ConfigError, match=r"^Evaluation dataset has 3 samples, fewer than one batch on every rank"):
+        trainer.evaluate()

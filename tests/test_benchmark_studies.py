@@ -20,6 +20,11 @@ def test_quality_runs_hold_tokens_and_per_device_batch_fixed():
     assert nproc == 16 and args[args.index("--fed_group_size") + 1] == "2"
     assert cfg.learning_rate_of("FSDP √-lr", 16) == pytest.approx(cfg.learning_rate * math.sqrt(8))
     assert cfg.learning_rate_of("FSDP", 16) == cfg.learning_rate_of("FL+FSDP", 16) == cfg.learning_rate
+    for world in cfg.worlds:  # every run evaluates all eval samples in whole batches (W=16 once read none)
+        for variant in quality.VARIANTS:
+            nproc, args = quality.run_args(cfg, variant, world, seed=0)
+            batch = int(args[args.index("--per_device_eval_batch_size") + 1])
+            assert cfg.eval_samples % (nproc * batch) == 0 and cfg.eval_samples // (nproc * batch) >= 1
 
 
 def test_quality_rejects_a_budget_that_is_not_whole_steps():
