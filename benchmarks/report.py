@@ -424,9 +424,11 @@ def spread(values: list[float]) -> dict:
 
 
 def median_range(s: dict | None, fmt: str = ".2f", scale: float = 1.0) -> str:
-    """A `spread` as "median (min–max)", each times ``scale`` in ``fmt``; "—" for no figure."""
+    """A `spread` as "median (min–max)", each times ``scale`` in ``fmt``; one figure when all agree; "—" for none."""
     if s is None:
         return "—"
+    if s["min"] == s["max"]:
+        return f"{s['median'] * scale:{fmt}}"
     return f"{s['median'] * scale:{fmt}} ({s['min'] * scale:{fmt}}–{s['max'] * scale:{fmt}})"
 
 

@@ -10,8 +10,11 @@ the compute-to-communication ratio is *not* that of a real cluster at larger sca
 rates; instead each speedup is also reported against the ideal of the same scale (FL+FSDP whose groups never
 average, run side by side), which cancels the slower compute.
 
-    python benchmarks/scaling.py --quick    # 2 and 4 nodes × 2 ranks, FSDP, FL+FSDP, ideal, micro (≤ 5 min)
-    python benchmarks/scaling.py            # 2, 4, 8 nodes × 2 ranks, five methods, tiny, 2 repetitions
+    python benchmarks/scaling.py --quick    # 2 nodes × 2 ranks, FSDP, FL+FSDP, ideal, micro, 48 steps (≤ 5 min)
+    python benchmarks/scaling.py            # 2, 4, 8 nodes × 2 ranks, five methods, tiny, 1 repetition (≤ 30 min)
+
+Tokens/s is the median window with the range over every window of every repetition; speedups and shares of the
+ideal are medians over repetitions with their range (one repetition: one figure, its windows' spread beside it).
 
 Results (JSON, Markdown, PNG) go to ``--out`` (default benchmarks/results/scaling_<quick|full>/).
 """
@@ -55,7 +58,7 @@ def point(runs: list[dict], method: str, cfg: dict) -> dict:
     return {
         "speedup_vs_fsdp": spread([m["speedup_vs_fsdp"] for m in measured]),
         "fraction_of_ideal": spread([m["fraction_of_ideal"] for m in measured]),
-        "tokens_per_s": spread([m["tokens_per_s"] for m in measured]),
+        "tokens_per_s": spread([w for m in measured for w in m["window_tokens_per_s"]]),
         "window_tokens_per_s": [w for m in measured for w in m["window_tokens_per_s"]],
         "predicted_speedup_vs_fsdp": statistics.median(predicted),
         "memory_added_bytes": spread([m["memory_added_bytes_max"] for m in measured]),
@@ -87,8 +90,9 @@ def markdown(results: dict) -> str:
     lines = [
         f"Two tiers, {cfg['ranks_per_node']} ranks per node, links {cfg['rate_mbit']:g} Mbit/s, Llama "
         f"`{cfg['model_size']}`, {cfg['steps']} steps of (world × {cfg['batch_size']} × {cfg['block_size']}) tokens, "
-        f"H = {cfg['sync_steps']}; median (min–max) over {results['repeats']} repetition(s) of each run's median "
-        "window. Predicted: the cost model's step time with the ideal's measured step as compute. Memory: peak "
+        f"H = {cfg['sync_steps']}; speedup and share of ideal: median (min–max) over {results['repeats']} "
+        "repetition(s) of each run's median window; tokens/s: median (min–max) over every window. Predicted: the "
+        "cost model's step time with the ideal's measured step as compute. Memory: peak "
         "resident memory less that before the model was built, largest rank; model state: the cost model's fp32 "
         "parameters, gradients and AdamW state per rank.",
         "",
@@ -138,9 +142,9 @@ def plot(results: dict, out: Path) -> Path:
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="2 and 4 nodes, FSDP, FL+FSDP, ideal, micro, 1 repetition.")
-    p.add_argument("--nodes", type=int, nargs="+", help="Scales (default 2 4 8; 2 4 with --quick).")
-    p.add_argument("--repeats", type=int, help="Repetitions per scale (default 2; 1 with --quick).")
+    p.add_argument("--quick", action="store_true", help="2 nodes, FSDP, FL+FSDP, ideal, micro, 48 steps.")
+    p.add_argument("--nodes", type=int, nargs="+", help="Scales (default 2 4 8; 2 with --quick).")
+    p.add_argument("--repeats", type=int, default=1, help="Repetitions per scale (default 1).")
     p.add_argument("--methods", nargs="+", choices=METHODS, help="Default: all five (quick: FSDP, FL+FSDP, ideal).")
     p.add_argument("--rate-mbit", type=float, default=100.0, help="Inter-node link rate, Mbit/s each way.")
     p.add_argument("--steps", type=int, help="Steps per method (default 32; 48 with --quick: 11 windows of H = 4).")
@@ -159,13 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps or (48 if quick else 32), sync_steps=h, warmup_steps=h, eval_steps=args.steps or (
             48 if quick else 32), eval_samples=32 if quick else 64,
     )  # fmt: skip
-    scales = tuple(args.nodes or ((2, 4) if quick else (2, 4, 8)))
+    scales = tuple(args.nodes or ((2,) if quick else (2, 4, 8)))
     for nodes in scales:
         replace(base, nodes=nodes, methods=methods_at(nodes, base.methods)).validate()
     out = args.out or REPO / "benchmarks" / "results" / ("scaling_quick" if quick else "scaling_full")
     started = time.time()
     with exclusive_cores("benchmarks/scaling.py"), tempfile.TemporaryDirectory(prefix="fedshard-scaling-") as tmp:
-        results = study(base, scales, args.repeats or (1 if quick else 2), Path(tmp), args.data_cache)
+        results = study(base, scales, args.repeats, Path(tmp), args.data_cache)
     results.update(run_record("benchmarks/scaling.py", sys.argv[1:] if argv is None else argv, started))
     table = write_study(out, results, markdown)
     plot(results, out)

@@ -45,6 +45,8 @@ def test_quality_summary_is_median_and_range_over_seeds():
 
 def test_scaling_spread_and_methods_per_scale():
     assert scaling.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert scaling.median_range(scaling.spread([3.0, 1.0, 2.0])) == "2.00 (1.00–3.00)"
+    assert scaling.median_range(scaling.spread([0.5]), ".0f", 100) == "50"  # one repetition: one figure
     assert scaling.methods_at(2, scaling.METHODS) == ("FSDP", "HSDP", "FL+FSDP", "ideal")  # one group: no FL+HSDP
     assert scaling.methods_at(4, scaling.METHODS) == scaling.METHODS
 
