@@ -182,11 +182,13 @@ class FedShardMixin(Trainer):
         )
 
     def _get_dataloader(self, dataset: Any, description: str, *args: Any, **kwargs: Any):
-        if not kwargs.get("is_training") and has_length(dataset):
-            self.args.check_eval_dataset_size(len(dataset), f"{description} dataset")
         # Accelerate shards batches over the mesh's dp axes (one group); groups must read disjoint data.
         with world_data_view(self.accelerator):
-            return super()._get_dataloader(dataset, description, *args, **kwargs)
+            dataloader = super()._get_dataloader(dataset, description, *args, **kwargs)
+        # An evaluation without a batch would log no eval_loss; its length is the same on every rank.
+        if not kwargs.get("is_training") and has_length(dataset) and len(dataloader) == 0:
+            self.args.check_eval_dataset_size(len(dataset), f"{description} dataset")
+        return dataloader
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         # Evaluate the global model (the groups' plain average); each group keeps training its own afterwards.
