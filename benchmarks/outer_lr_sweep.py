@@ -112,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     cfg = BenchConfig(nodes=GROUPS, ranks_per_node=RANKS_PER_GROUP, steps=args.steps, sync_steps=args.sync_steps,
                       eval_steps=args.eval_steps, model_size=args.model_size, warmup_steps=0)  # fmt: skip
-    started = time.time()
     data = prepare_data(cfg, args.data_cache)
     runs: dict[str, list[dict]] = {}
     with exclusive_cores("benchmarks/outer_lr_sweep.py"), tempfile.TemporaryDirectory(prefix="fedshard-sweep-") as tmp:
+        started = time.time()  # after the lock: the record's wall time is the study's own
         for lr in [*args.lrs, None]:
             label = "fedavg" if lr is None else f"nesterov lr {lr:g}"
             evals = train(label.replace(" ", "_"), run_args(lr, cfg), cfg, data, Path(tmp))

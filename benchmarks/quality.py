@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(args)
     out = args.out or REPO / "benchmarks" / "results" / ("quality_quick" if args.quick else "quality_full")
     data = prepare_data(BenchConfig(block_size=cfg.block_size, eval_samples=cfg.eval_samples), args.data_cache)
-    started = time.time()
     with exclusive_cores("benchmarks/quality.py"), tempfile.TemporaryDirectory(prefix="fedshard-quality-") as tmp:
+        started = time.time()  # after the lock: the record's wall time is the study's own
         runs = [run_one(cfg, v, w, s, data, Path(tmp)) for s in cfg.seeds for w in cfg.worlds for v in cfg.variants]
     results = summarize(runs, cfg)
     results.update(run_record("benchmarks/quality.py", sys.argv[1:] if argv is None else argv, started))

@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     for nodes in scales:
         replace(base, nodes=nodes, methods=methods_at(nodes, base.methods)).validate()
     out = args.out or REPO / "benchmarks" / "results" / ("scaling_quick" if quick else "scaling_full")
-    started = time.time()
     with exclusive_cores("benchmarks/scaling.py"), tempfile.TemporaryDirectory(prefix="fedshard-scaling-") as tmp:
+        started = time.time()  # after the lock: the record's wall time is the study's own
         results = study(base, scales, args.repeats, Path(tmp), args.data_cache)
     results.update(run_record("benchmarks/scaling.py", sys.argv[1:] if argv is None else argv, started))
     table = write_study(out, results, markdown)
