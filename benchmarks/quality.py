@@ -77,9 +77,12 @@ class QualityConfig:
                     f"W={world}: --group-size {self.group_size} and --fsdp-ranks {self.fsdp_ranks} must divide it, "
                     f"and H={self.sync_steps} its {steps} steps (so that the last step averages)."
                 )
-        if self.eval_samples % max(self.worlds):
-            largest = max(self.worlds)
-            raise ValueError(f"eval_samples={self.eval_samples} must be a multiple of the largest world {largest}.")
+        processes = {p for w in self.worlds for p in (w, self.fsdp_ranks)}
+        if self.eval_batch_size < 1 or any(self.eval_samples % (p * self.eval_batch_size) for p in processes):
+            raise ValueError(
+                f"eval_samples={self.eval_samples} must be read whole by every run: a multiple of the largest world "
+                f"{max(self.worlds)} and of every run's processes × its per-device eval batch."
+            )
 
     @property
     def eval_batch_size(self) -> int:

@@ -11,7 +11,7 @@ rates; instead each speedup is also reported against the ideal of the same scale
 average, run side by side), which cancels the slower compute.
 
     python benchmarks/scaling.py --quick    # 2 nodes × 2 ranks, FSDP, FL+FSDP, ideal, micro, 48 steps (≤ 5 min)
-    python benchmarks/scaling.py            # 2, 4, 8 nodes × 2 ranks, five methods, tiny, 1 repetition (≤ 30 min)
+    python benchmarks/scaling.py            # 2, 4, 8 nodes × 2 ranks, five methods, tiny, 1 repetition (37 min here)
 
 Tokens/s is the median window with the range over every window of every repetition; speedups and shares of the
 ideal are medians over repetitions with their range (one repetition: one figure, its windows' spread beside it).

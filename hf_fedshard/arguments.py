@@ -318,12 +318,16 @@ class FedShardArgumentsMixin:
         world = self.fed_layout.world_size
         world_batch = self.per_device_eval_batch_size * world
         if self.dataloader_drop_last and num_samples < world_batch:
+            fix = (
+                f"Lower --per_device_eval_batch_size to {num_samples // world} or less"
+                if num_samples >= world
+                else f"Use at least WORLD_SIZE({world}) samples"
+            )
             raise ConfigError(
                 f"{description} has {num_samples} samples, fewer than one batch on every rank: "
                 f"per_device_eval_batch_size({self.per_device_eval_batch_size}) × WORLD_SIZE({world}) = {world_batch}"
-                " with dataloader_drop_last=True, so evaluation would see no batch and log no eval_loss. Lower "
-                f"--per_device_eval_batch_size to {max(1, num_samples // world)} or less, or set "
-                "--dataloader_drop_last false."
+                " with dataloader_drop_last=True, so it would be read in no batch (no loss, no predictions). "
+                f"{fix}, or set --dataloader_drop_last false."
             )
 
     def _check_sharding_backend(self) -> None:

@@ -27,6 +27,12 @@ def test_quality_runs_hold_tokens_and_per_device_batch_fixed():
             assert cfg.eval_samples % (nproc * batch) == 0 and cfg.eval_samples // (nproc * batch) >= 1
 
 
+def test_quality_rejects_worlds_that_would_evaluate_on_part_of_the_eval_set():
+    # eval batch 64 ÷ 8 = 8 per device: W=6 would read 48 of the 64 samples, FSDP's runs all 64.
+    with pytest.raises(ValueError, match="eval_samples=64 must be read whole by every run"):
+        quality.QualityConfig(worlds=(4, 6, 8), tokens=6 * 8 * 4 * 128 * 4).validate()
+
+
 def test_quality_rejects_a_budget_that_is_not_whole_steps():
     with pytest.raises(ValueError, match="--tokens=1000 must be a multiple of the world batch 2048 at W=4"):
         quality.QualityConfig(worlds=(4,), tokens=1000).validate()
