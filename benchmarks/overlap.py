@@ -39,8 +39,6 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
 
 from benchmarks.exclusive import exclusive_cores  # noqa: E402
 from benchmarks.report import (  # noqa: E402
-    OVERLAPPED,
-    exchange_wait_ratio,
     judge,
     median_range,
     overlap_targets,
@@ -59,12 +57,6 @@ FIGURES = ("tokens_per_s", "fraction_of_ideal", "exchange_wait_ratio", "loop_wai
 def combine(runs: list[dict], methods: tuple[str, ...]) -> dict:
     """Each method's figures over the repetitions (median, min, max), and the targets on the medians."""
     out = {}
-    for run in runs:  # the exchange wait from each run's stored counters (runs written before it was a figure)
-        rate = run.get("config", {}).get("rate_mbit", 100.0) * 1e6 / 8
-        for name, m in run["methods"].items():
-            m["exchange_wait_ratio"] = exchange_wait_ratio(m, rate) if name in OVERLAPPED else None
-            if name in OVERLAPPED:
-                m["averaging_ratio_median"] = None  # its steps are not where an overlapped exchange runs
     for name in methods:
         figures = {}
         for key in FIGURES:

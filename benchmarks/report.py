@@ -158,7 +158,7 @@ def summarize_method(method: str, records: list[dict], cfg: dict) -> dict:
         "memory_added_bytes_max": max(memory) if memory else None,
         "averaging": averaging,
         "averaging_ratio_median": statistics.median(a["ratio_to_bytes_over_rate"] for a in averaging)
-        if averaging
+        if averaging and method not in OVERLAPPED  # an overlapped exchange does not run in its sync steps
         else None,
         "loop_wait_s": loop_wait_s,
         "loop_wait_ratio": loop_wait_s / (tx[0] / rate_bytes_s)

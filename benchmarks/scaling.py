@@ -55,11 +55,12 @@ def point(runs: list[dict], method: str, cfg: dict) -> dict:
     pairs = zip(measured, fsdp, strict=True)
     predicted = [f["predicted"]["s_per_step"] / m["predicted"]["s_per_step"] for m, f in pairs]
     layout, _ = layout_of(method, cfg)
+    windows = [w for m in measured for w in m["window_tokens_per_s"]]
     return {
         "speedup_vs_fsdp": spread([m["speedup_vs_fsdp"] for m in measured]),
         "fraction_of_ideal": spread([m["fraction_of_ideal"] for m in measured]),
-        "tokens_per_s": spread([w for m in measured for w in m["window_tokens_per_s"]]),
-        "window_tokens_per_s": [w for m in measured for w in m["window_tokens_per_s"]],
+        "tokens_per_s": spread(windows),
+        "window_tokens_per_s": windows,
         "predicted_speedup_vs_fsdp": statistics.median(predicted),
         "memory_added_bytes": spread([m["memory_added_bytes_max"] for m in measured]),
         "model_state_bytes_predicted": model_state_bytes_per_rank(measured[0]["params"], layout),

@@ -98,10 +98,9 @@ def test_three_tier_targets():
 def test_overlap_study_targets_are_taken_on_the_medians():
     def run(stream_tokens, stream_wait, ppl):
         def m(tokens, wait=None, blocking=None, ideal_share=None, perplexity=100.0):
-            fed = {"fed_sync_wait_seconds_total": wait * 1.25} if wait is not None else None  # 12.5 MB sent: 1 s
             return {"tokens_per_s": tokens, "fraction_of_ideal": ideal_share, "loop_wait_ratio": wait,
+                    "exchange_wait_ratio": wait if blocking is None else None,
                     "averaging_ratio_median": blocking, "final_eval_perplexity": perplexity,
-                    "fed_counters_rank0": fed, "inter_bytes_per_node": [12.5e6 * 1.25],
                     "predicted": {"s_per_step": 1.0}}  # fmt: skip
 
         return {"methods": {"FL+FSDP": m(80, 1.0, 1.1), "FL+FSDP stream": m(stream_tokens, stream_wait, None, 0.9, ppl),
