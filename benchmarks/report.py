@@ -69,12 +69,11 @@ def clock_at(steps: list[dict], step: int) -> float:
     return 0.0 if step == 0 else steps[step - 1]["train_clock_s"]
 
 
-def exchange_wait_ratio(method: dict, rate_bytes_s: float) -> float | None:
+def exchange_wait_ratio(fed_counters: dict | None, node0_tx_bytes: float, rate_bytes_s: float) -> float | None:
     """Seconds rank 0 waited for overlapped exchanges to finish (``fed_sync_wait_seconds_total``) ÷ (bytes node 0's
-    uplink sent ÷ link rate); ``None`` for a method without an overlapped exchange."""
-    waited = (method.get("fed_counters_rank0") or {}).get("fed_sync_wait_seconds_total")
-    tx = method.get("inter_bytes_per_node") or [0]
-    return waited / (tx[0] / rate_bytes_s) if waited is not None and tx[0] else None
+    uplink sent ÷ link rate); ``None`` for a run without that counter or without bytes sent."""
+    waited = (fed_counters or {}).get("fed_sync_wait_seconds_total")
+    return waited / (node0_tx_bytes / rate_bytes_s) if waited is not None and node0_tx_bytes else None
 
 
 def window_throughputs(steps: list[dict], tokens_per_step: int, window: int, warmup: int) -> list[float]:
@@ -164,9 +163,7 @@ def summarize_method(method: str, records: list[dict], cfg: dict) -> dict:
         "loop_wait_ratio": loop_wait_s / (tx[0] / rate_bytes_s)
         if base_method(method) == "FL+FSDP" and tx and tx[0]
         else None,
-        "exchange_wait_ratio": exchange_wait_ratio(
-            {"fed_counters_rank0": rank0["fed"], "inter_bytes_per_node": tx}, rate_bytes_s
-        )
+        "exchange_wait_ratio": exchange_wait_ratio(rank0["fed"], tx[0] if tx else 0, rate_bytes_s)
         if method in OVERLAPPED
         else None,
         "evals": evals,
