@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -52,6 +53,7 @@ from .manifest import write_manifest
 from .mesh import FederationLayout
 
 FED_LAYOUT_NAME = "fed_layout.json"
+OUTER_DIR = "fed_outer"
 STAGING_PREFIX = "tmp-"
 DAMAGED_PREFIX = "damaged-"
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -99,6 +101,22 @@ def set_aside(checkpoint: str) -> str:
     return target
 
 
+class CheckpointReadError(RuntimeError):
+    """A file (or DCP folder) of a checkpoint could not be read; the message names it."""
+
+
+@contextlib.contextmanager
+def reading(path: str) -> Iterator[None]:
+    """Name ``path`` when reading it fails: torch.load and DCP say what went wrong, never in which file.
+
+    DCP's `CheckpointException` derives from `BaseException`, so it is named here explicitly.
+    """
+    try:
+        yield
+    except (Exception, CheckpointException) as err:
+        raise CheckpointReadError(f"cannot read {path} ({type(err).__name__}: {err})") from err
+
+
 def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer under Accelerate's wrapper (DCP's helpers step it to initialise empty state)."""
     while hasattr(optimizer, "optimizer"):
@@ -114,7 +132,8 @@ def save_group_model(model: nn.Module, directory: str, group: ProcessGroup) -> N
 def load_group_model(model: nn.Module, directory: str, group: ProcessGroup) -> None:
     """Read this group's model shards in place; every rank of ``group`` must call it."""
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=directory, process_group=group)
+    with reading(directory):
+        dcp.load(state, checkpoint_id=directory, process_group=group)
     set_model_state_dict(model, state["model"])
 
 
@@ -132,7 +151,8 @@ def load_group_optimizer(
     """Read this group's optimizer state in place."""
     optimizer = _unwrap_optimizer(optimizer)
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=directory, process_group=group)
+    with reading(directory):
+        dcp.load(state, checkpoint_id=directory, process_group=group)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
@@ -217,7 +237,8 @@ def write_counters(checkpoint: str, group_index: int, rank: int, counters: dict[
 
 
 def read_counters(checkpoint: str, group_index: int, rank: int) -> dict[str, Any]:
-    with open(os.path.join(group_dir(checkpoint, group_index), f"fedavg_rank{rank}.json")) as f:
+    path = os.path.join(group_dir(checkpoint, group_index), f"fedavg_rank{rank}.json")
+    with reading(path), open(path) as f:
         return json.load(f)
 
 
@@ -255,7 +276,7 @@ def atomic_checkpoint(final_dir: str, is_writer: bool) -> Iterator[str]:
 
 def outer_state_path(checkpoint: str | Path, position: int) -> str:
     """The file of the anchor and outer momentum of the shards at ``position`` (rank within a group)."""
-    return os.path.join(checkpoint, "fed_outer", f"position{position}.pt")
+    return os.path.join(checkpoint, OUTER_DIR, f"position{position}.pt")
 
 
 def save_outer_state(checkpoint: str, position: int, state: dict | None) -> None:
@@ -270,7 +291,10 @@ def save_outer_state(checkpoint: str, position: int, state: dict | None) -> None
 def load_outer_state(checkpoint: str, position: int) -> dict | None:
     """One position's anchor and outer momentum, or ``None`` for a checkpoint written without them."""
     path = outer_state_path(checkpoint, position)
-    return torch.load(path, weights_only=True) if os.path.isfile(path) else None
+    if not os.path.isfile(path):
+        return None
+    with reading(path):
+        return torch.load(path, weights_only=True)
 
 
 def in_flight_path(checkpoint: str | Path, group: int, rank: int) -> str:
@@ -290,4 +314,5 @@ def load_in_flight_state(checkpoint: str, group: int, rank: int, device: torch.d
     if not os.path.isfile(path):
         return None
     location = "cpu" if device.type == "cpu" else device  # torch.load does not restore onto "cpu:0"
-    return torch.load(path, map_location=location, weights_only=True)
+    with reading(path):
+        return torch.load(path, map_location=location, weights_only=True)

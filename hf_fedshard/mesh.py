@@ -114,6 +114,10 @@ class FederationLayout:
         """Index of the federation group that ``rank`` belongs to."""
         return rank // self.group_size
 
+    def position(self, rank: int) -> int:
+        """``rank``'s (replica, shard) position inside its group: the ranks of one position hold the same shards."""
+        return rank % self.group_size
+
     def fed_peer_ranks(self) -> list[list[int]]:
         """The ranks of each ``fed`` process group: one list per (replica, shard) position, one rank per group."""
         return [[g * self.group_size + position for g in range(self.num_groups)] for position in range(self.group_size)]

@@ -1,23 +1,37 @@
 """Which checkpoint a federated run resumes from: the newest that verifies, agreed by every rank.
 
-Every rank checks the sizes of the files it will read (the checkpoint's top-level files and its group's folder)
-in every candidate; one collective tells all ranks which candidates passed everywhere. The newest of those is
-then checksummed, each rank hashing its share of the files it reads, and one more collective agrees on the
-result: a mismatch on any rank makes all ranks move on to the next candidate, together. Candidates with verified
-damage are renamed aside (`set_aside`), so a restarted job never tries them again; a checkpoint without a
-manifest cannot be verified and is skipped but left in place. An explicit path that does not verify is refused.
+Every rank checks the sizes of the files it will read (the checkpoint's top-level files, the outer state of its
+position in ``fed_outer/`` whoever wrote it, and its group's folder) in every candidate; one collective tells all
+ranks which candidates passed everywhere. The newest of those is then checksummed, each rank hashing its share of
+the files (every file some rank reads is hashed by one rank), and one more collective agrees on the result:
+a mismatch on any rank makes all ranks move on to the next candidate, together. Candidates with verified damage
+are renamed aside (`set_aside`), so a restarted job never tries them again; a checkpoint without a manifest cannot
+be verified and is skipped but left in place. An explicit path that does not verify is refused.
+
+Loading the chosen checkpoint (`load_on_every_rank`) ends with one more collective: a file that verified yet cannot
+be read (written damaged) is named by the rank that read it, and every rank stops with that message together.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import nn
 
 from .arguments import FedShardTrainingArguments
-from .checkpoint import FED_LAYOUT_NAME, check_resumable, complete_checkpoints, group_dir, set_aside
+from .checkpoint import (
+    FED_LAYOUT_NAME,
+    OUTER_DIR,
+    CheckpointReadError,
+    check_resumable,
+    complete_checkpoints,
+    group_dir,
+    outer_state_path,
+    set_aside,
+)
 from .errors import ConfigError
 from .manifest import MANIFEST_NAME, checksum_problem, read_manifest, size_problem
 from .mesh import FederationLayout
@@ -68,6 +82,26 @@ def resumable_checkpoint(
     return chosen
 
 
+def load_on_every_rank(checkpoint: str, load: Callable[[], None]) -> None:
+    """Run this rank's part of loading ``checkpoint``, then agree over the world whether every rank succeeded.
+
+    A rank that fails would otherwise leave the others waiting in their next collective for ``ddp_timeout`` and
+    blaming it; here each failing rank names its file and every rank raises the same error at once.
+    """
+    problem = None
+    try:
+        load()
+    except CheckpointReadError as err:
+        problem = str(err)
+    problems = {rank: found for rank, found in enumerate(_gather(problem)) if found}
+    if problems:
+        raise RuntimeError(
+            f"hf_fedshard: resuming from {checkpoint} failed ({_describe(problems)}) although its files match "
+            "manifest.json: it was written damaged. Rename it aside (e.g. damaged-checkpoint-N) and resume from an "
+            "earlier checkpoint."
+        )
+
+
 def _gather(found: object) -> list:
     """Every rank's ``found``, in rank order (one collective over the world)."""
     everyone: list = [None] * dist.get_world_size()
@@ -75,10 +109,17 @@ def _gather(found: object) -> list:
     return everyone
 
 
-def _files_read_by(files: dict, group_index: int) -> list[str]:
-    """The files a rank of group ``group_index`` reads: the checkpoint's top-level ones and its group's folder."""
-    prefix = os.path.basename(group_dir("", group_index)) + "/"
-    return [path for path in files if "/" not in path or path.startswith(prefix)]
+def _shared_files(files: dict) -> list[str]:
+    """Files that ranks of every group read: the top-level ones and the outer state (group 0 writes it)."""
+    return [path for path in files if "/" not in path or path.startswith(OUTER_DIR + "/")]
+
+
+def _files_read_by(files: dict, layout: FederationLayout, rank: int) -> list[str]:
+    """The files ``rank`` reads at resume, shared ones first: the top-level files, its position's outer state
+    and its group's folder."""
+    outer = os.path.relpath(outer_state_path("", layout.position(rank))).replace(os.sep, "/")
+    group = os.path.basename(group_dir("", layout.group_index(rank))) + "/"
+    return [path for path in files if "/" not in path or path == outer] + [p for p in files if p.startswith(group)]
 
 
 def _size_problem(checkpoint: str, layout: FederationLayout, model: nn.Module, rank: int) -> str | None:
@@ -95,18 +136,17 @@ def _size_problem(checkpoint: str, layout: FederationLayout, model: nn.Module, r
     problem = size_problem(checkpoint, files, top_level)
     if problem is None:
         check_resumable(checkpoint, layout, model)  # another layout or model is bad input, not damage
-        problem = size_problem(checkpoint, files, _files_read_by(files, layout.group_index(rank)))
+        problem = size_problem(checkpoint, files, _files_read_by(files, layout, rank))
     return problem
 
 
 def _checksum_problem(checkpoint: str, layout: FederationLayout, rank: int) -> str | None:
-    """Hash this rank's share: its group's files split among the group, the top-level ones among the world."""
+    """Hash this rank's share: the shared files (top level, outer state) split among the world, its group's
+    files among the group. Every file a rank reads is hashed by some rank, so a damaged one is seen before loading."""
     files = read_manifest(checkpoint)
-    group = layout.group_index(rank)
-    own = [path for path in _files_read_by(files, group) if "/" in path]
-    top_level = [path for path in files if "/" not in path]
-    position = rank - group * layout.group_size
-    share = own[position :: layout.group_size] + top_level[rank :: layout.world_size]
+    shared = _shared_files(files)
+    own = [path for path in _files_read_by(files, layout, rank) if path not in shared]
+    share = shared[rank :: layout.world_size] + own[layout.position(rank) :: layout.group_size]
     return checksum_problem(checkpoint, files, share)
 
 

@@ -33,6 +33,7 @@ from .checkpoint import (
     load_in_flight_state,
     load_outer_state,
     read_counters,
+    reading,
     save_group_model,
     save_group_optimizer,
     save_in_flight_state,
@@ -54,7 +55,7 @@ from .mesh import (
     replica_process_group,
 )
 from .notices import notice
-from .resume import resumable_checkpoint
+from .resume import load_on_every_rank, resumable_checkpoint
 from .timeouts import explain_stalled_collectives
 
 logger = logging.getLogger(__name__)
@@ -355,18 +356,21 @@ class FedShardMixin(Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        # Each rank reads its own group's shards and FedAvg counters.
+        # Each rank reads its own group's shards and FedAvg counters; every rank learns of any rank's failure.
         if self.fed_callback is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        group = group_dir(resume_from_checkpoint, self._group_index)
+        load_on_every_rank(resume_from_checkpoint, lambda: self._load_federated_state(resume_from_checkpoint, model))
+
+    def _load_federated_state(self, checkpoint: str, model: nn.Module | None) -> None:
+        """This rank's model shards, counters, exchange in flight and outer state (`_save_federated_state`'s)."""
+        rank = self.args.process_index
+        group = group_dir(checkpoint, self._group_index)
         load_group_model(model or self.model, os.path.join(group, "model"), self._group_pg)
-        counters = read_counters(resume_from_checkpoint, self._group_index, self.args.process_index)
-        self.fed_callback.load_state_dict(counters)
-        self.fed_callback.load_in_flight_state(
-            load_in_flight_state(resume_from_checkpoint, self._group_index, self.args.process_index, self.args.device)
-        )
-        position = self.args.process_index % self.fed_layout.group_size
-        self.fed_callback.load_outer_state(load_outer_state(resume_from_checkpoint, position))
+        self.fed_callback.load_state_dict(read_counters(checkpoint, self._group_index, rank))
+        in_flight = load_in_flight_state(checkpoint, self._group_index, rank, self.args.device)
+        self.fed_callback.load_in_flight_state(in_flight)
+        outer = load_outer_state(checkpoint, self.fed_layout.position(rank))
+        self.fed_callback.load_outer_state(outer)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # Each group reads its own optimizer state; a save_only_model checkpoint has none, as with Trainer.
@@ -375,8 +379,13 @@ class FedShardMixin(Trainer):
         directory = os.path.join(group_dir(checkpoint, self._group_index), "optimizer")
         if not os.path.isdir(directory):
             return
+        load_on_every_rank(checkpoint, lambda: self._load_group_optimizer_and_scheduler(checkpoint, directory))
+
+    def _load_group_optimizer_and_scheduler(self, checkpoint: str, directory: str) -> None:
         load_group_optimizer(self.model, self.optimizer, directory, self._group_pg)
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        path = os.path.join(checkpoint, SCHEDULER_NAME)
+        with reading(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
 
     def _load_best_model(self) -> None:
         # The best checkpoint holds one copy per group: each group reloads its own.

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import LlamaForCausalLM
 
 from hf_fedshard.checkpoint import latest_complete_checkpoint
-from hf_fedshard.manifest import checksum_problem, read_manifest
+from hf_fedshard.manifest import checksum_problem, describe_files, read_manifest
 
 from .launch import SCRIPTS, SGD, torchrun, train_tiny
 
@@ -281,6 +281,53 @@ def test_damaged_checkpoints_are_skipped_together_and_set_aside(reference, tmp_p
     for step in (4, 6):  # saved again over the damaged ones' names, with their own manifests
         files = read_manifest(str(tmp_path / f"checkpoint-{step}"))
         assert checksum_problem(str(tmp_path / f"checkpoint-{step}"), files, files) is None
+
+
+def test_damaged_outer_state_is_verified_like_every_other_file(reference, tmp_path):
+    """fed_outer/ is written by group 0 and read by every group: checkpoint-6's position-1 file truncated (sizes),
+    checkpoint-4's position-0 file with one flipped byte (checksums). Both are named, set aside, and the run resumes
+    from checkpoint-2 on its first attempt, ending at the uninterrupted run's parameters.
+    """
+    out, ref = reference
+    for step in (2, 4, 6):
+        shutil.copytree(out / f"checkpoint-{step}", tmp_path / f"checkpoint-{step}")
+    damage(tmp_path / "checkpoint-6" / "fed_outer" / "position1.pt", "truncate")
+    damage(tmp_path / "checkpoint-4" / "fed_outer" / "position0.pt", "flip")
+    args = ["--output_dir", tmp_path, "--dump_dir", tmp_path / "dump", *SGD, *FL_FSDP_RUN, "--fed_auto_resume", "true"]
+    result = torchrun(4, SCRIPT, args, 400, max_restarts=1)
+    out_text = result.stdout
+    assert result.returncode == 0, out_text[-6000:]
+    assert "will restart worker group" not in out_text
+    skipped_6 = re.search(r"skipping \S+checkpoint-6 \((.*)\); renamed to \S+damaged-checkpoint-6", out_text).group(1)
+    for rank in (1, 3):  # the ranks at position 1 of each group read that file
+        assert re.search(rf"rank {rank}: fed_outer/position1.pt has [\d,]+ bytes, the manifest says", skipped_6)
+    assert "rank 0" not in skipped_6 and "rank 2" not in skipped_6
+    skipped_4 = re.search(r"skipping \S+checkpoint-4 \((.*)\); renamed to \S+damaged-checkpoint-4", out_text).group(1)
+    assert re.fullmatch(r"rank \d: fed_outer/position0.pt does not match its checksum \(.*\)", skipped_4)
+    runs = [torch.load(tmp_path / "dump" / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    assert [run["started_at_step"] for run in runs] == [2] * 4
+    assert_same_run(runs, ref)
+
+
+def test_file_written_damaged_fails_every_rank_naming_it(reference, tmp_path):
+    """A file that matches its manifest but cannot be read (damaged before the manifest was written): the ranks
+    that read it name it, and every rank stops at once with that message, none waiting for ddp_timeout."""
+    checkpoint = tmp_path / "checkpoint-4"
+    shutil.copytree(reference[0] / "checkpoint-4", checkpoint)
+    damage(checkpoint / "fed_outer" / "position1.pt", "truncate")
+    files = read_manifest(str(checkpoint))
+    files.update(describe_files(str(checkpoint), ["fed_outer/position1.pt"]))
+    (checkpoint / "manifest.json").write_text(json.dumps({"files": files}))
+    args = [*FL_FSDP_RUN, "--resume_from_checkpoint", checkpoint, "--ddp_timeout", "600"]
+    started = time.time()
+    result = torchrun(4, SCRIPT, ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, *args], 300)
+    assert result.returncode != 0
+    assert time.time() - started < 200  # no rank waited for the 600 s ddp_timeout
+    message = re.compile(
+        rf"resuming from {checkpoint} failed \(rank 1: cannot read \S+/fed_outer/position1.pt \(.+\); "
+        r"rank 3: cannot read \S+/fed_outer/position1.pt \(.+\)\) although its files match manifest.json"
+    )
+    assert len(message.findall(result.stdout)) == 4, result.stdout[-4000:]  # said by every rank
 
 
 def test_explicit_checkpoint_that_does_not_verify_is_refused_naming_the_file(reference, tmp_path):
