@@ -27,6 +27,7 @@ from .fragments import Schedule
 from .mesh import FederationLayout
 from .notices import notice as _notice
 from .outer import NESTEROV_DEFAULTS, OUTER_OPTIMIZERS, outer_hyperparameters
+from .settings_history import AveragingSettings
 from .timeouts import start_world_process_group
 
 
@@ -273,6 +274,11 @@ class FedShardArgumentsMixin:
     def fed_outer(self) -> tuple[float, float]:
         """(lr, momentum) of the outer SGD, defaults filled in: (1, 0) for fedavg."""
         return outer_hyperparameters(self.fed_outer_optimizer, self.fed_outer_lr, self.fed_outer_momentum)
+
+    @property
+    def fed_averaging_settings(self) -> AveragingSettings:
+        """The outer optimizer and wire dtype as the averagings use (and checkpoints record) them."""
+        return AveragingSettings(self.fed_outer_optimizer, *self.fed_outer, self.fed_sync_dtype)
 
     @property
     def fed_schedule(self) -> Schedule:

@@ -34,6 +34,13 @@ from .exchange import Exchange, ProcessGroupCommunicator
 from .fragments import Schedule, fragment_ranges
 from .notices import notice
 from .outer import OuterOptimizer, outer_state_device
+from .settings_history import (
+    AveragingSettings,
+    History,
+    history_from_state,
+    history_to_state,
+    settings_of_outer_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +125,8 @@ class FedAvgCallback(TrainerCallback):
         before_eval: called on every rank right before an evaluation between averagings (or the averaging on
             an evaluation's step), while the groups still hold their own models (per-group evaluation).
         exchange: how the mean Δ is computed (wire dtype, FL+HSDP split); default: fp32 over ``fed_group``.
-        outer_lr, outer_momentum: the outer SGD's (1 and 0: FedAvg).
+        settings: the outer optimizer and wire dtype (`AveragingSettings`; default FedAvg in fp32); the dtype is
+            recorded here, ``exchange`` sends in it. A resume may change them (`hf_fedshard.settings_history`).
         replicas: HSDP replicas per group (ranks holding the same shard), to turn shard norms into model norms.
         schedule: fragments and overlap (default: every ``sync_steps`` steps, the whole model, blocking).
         outer_on_device: keep CUDA shards' anchors and momentum on the GPU instead of pinned CPU memory.
@@ -134,8 +142,7 @@ class FedAvgCallback(TrainerCallback):
         timeout_s: float | None = None,
         before_eval: Callable[[], None] | None = None,
         exchange: Exchange | None = None,
-        outer_lr: float = 1.0,
-        outer_momentum: float = 0.0,
+        settings: AveragingSettings | None = None,
         replicas: int = 1,
         schedule: Schedule | None = None,
         outer_on_device: bool = False,
@@ -148,8 +155,9 @@ class FedAvgCallback(TrainerCallback):
         self.timeout_s = timeout_s
         self.before_eval = before_eval
         self.exchange = exchange or Exchange(ProcessGroupCommunicator(fed_group))
-        self.outer_lr = outer_lr
-        self.outer_momentum = outer_momentum
+        self.settings = settings or AveragingSettings()
+        self.settings_history: History = [(0, self.settings)]  # what ran from which step (a resume adds to it)
+        self._saved_history: History | None = None
         self.replicas = replicas
         self.schedule = schedule or Schedule(sync_steps)
         self.schedule.validate()
@@ -203,6 +211,7 @@ class FedAvgCallback(TrainerCallback):
             "synced_at": list(self._synced_at),
             "delta_norm": self.delta_norm,
             "group_drift": self.group_drift,
+            "averaging": history_to_state(self.settings_history),
         }
 
     def load_state_dict(self, state: dict[str, float]) -> None:
@@ -221,6 +230,7 @@ class FedAvgCallback(TrainerCallback):
         self._synced_at = [int(step) for step in synced_at]
         self.delta_norm = float(state.get("delta_norm", 0.0))
         self.group_drift = float(state.get("group_drift", 0.0))
+        self._saved_history = history_from_state(state["averaging"]) if "averaging" in state else None
 
     def outer_state_dict(self) -> dict | None:
         """Each fragment's anchor and outer momentum on this rank (equal in every group); ``None`` before training."""
@@ -561,20 +571,23 @@ class FedAvgCallback(TrainerCallback):
         self.ranges = fragment_ranges(model, trainable, self.schedule.fragments)
         params = model_state_tensors(model)[: len(trainable)]
         device = outer_state_device(params, self.outer_on_device)
-        self.outers = [OuterOptimizer(params[a:b], self.outer_lr, self.outer_momentum, device) for a, b in self.ranges]
+        lr, momentum = self.settings.outer_lr, self.settings.outer_momentum
+        self.outers = [OuterOptimizer(params[a:b], lr, momentum, device) for a, b in self.ranges]
         self._describe(trainable, device)
         if state.global_step > 0:
             self._load_outers(state.global_step)
+            self._continue_history(state.global_step)
 
     def _describe(self, trainable: list[nn.Parameter], device: torch.device) -> None:
         """Say once, on rank 0, how the model is averaged and the outer state's memory per rank."""
         sizes = " / ".join(f"{sum(p.numel() for p in trainable[a:b]) / 1e6:.2f}" for a, b in self.ranges)
         timing = f"each behind {self.schedule.overlap} step(s)" if self.schedule.overlap else "blocking"
         notice(
-            "averaging %d fragment(s) of whole FSDP units (%s M parameters), %s; outer state (anchor%s) %.1f MB per "
-            "rank on %s",
-            len(self.ranges), sizes, timing, ", momentum" if self.outer_momentum else "",
-            sum(outer.nbytes for outer in self.outers) / 1e6, device,
+            "averaging with %s: %d fragment(s) of whole FSDP units (%s M parameters), %s; outer state (anchor%s) "
+            "%.1f MB per rank on %s",
+            self.settings.describe(), len(self.ranges), sizes, timing,
+            ", momentum" if self.settings.outer_momentum else "", sum(outer.nbytes for outer in self.outers) / 1e6,
+            device,
         )  # fmt: skip
 
     def _load_outers(self, step: int) -> None:
@@ -593,6 +606,22 @@ class FedAvgCallback(TrainerCallback):
             )
         for outer, state in zip(self.outers, fragments, strict=True):
             outer.load_state_dict(state)
+
+    def _continue_history(self, step: int) -> None:
+        """The checkpoint's settings history, plus this run's settings from ``step`` on where they differ."""
+        history = self._saved_history or [
+            (0, settings_of_outer_state(self._saved_outer_state, self.settings.sync_dtype))
+        ]
+        if history[-1][1] != self.settings:
+            if get_rank() == 0:
+                logger.warning(
+                    "hf_fedshard: resuming at step %d with other averaging settings than the checkpoint's, honoured "
+                    "from this step on: %s.",
+                    step,
+                    history[-1][1].changes_to(self.settings),
+                )
+            history = [*history, (step, self.settings)]
+        self.settings_history = history
 
     def _average_initial_weights(self, model: nn.Module) -> None:
         """Step 0's plain average, so that groups initialised differently start from one global model."""

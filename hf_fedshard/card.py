@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 from huggingface_hub import EvalResult, ModelCard
 from transformers import TrainerCallback, TrainerState
 
+from .settings_history import History, describe_history
+
 if TYPE_CHECKING:
-    from .arguments import FedShardTrainingArguments
+    from .fragments import Schedule
     from .trainer import FedShardTrainer
 
 TEMPLATE = Path(__file__).parent / "templates" / "card_section.md"
@@ -103,16 +105,12 @@ def setup_description(trainer: FedShardTrainer) -> str:
     return f"data parallel (DDP) over {world} ranks, no FSDP" if world > 1 else "one process, no FSDP"
 
 
-def averaging_description(args: FedShardTrainingArguments) -> str:
-    """The outer optimizer, the wire dtype and the schedule, in one cell."""
-    lr, momentum = args.fed_outer
-    outer = "FedAvg"
-    if args.fed_outer_optimizer == "nesterov":
-        outer = f"Nesterov outer SGD (lr {lr:g}, momentum {momentum:g})"
-    schedule = args.fed_schedule
+def averaging_description(history: History, schedule: Schedule) -> str:
+    """What the averagings did, in one cell: the outer optimizer and wire dtype (each stretch of the run, when a
+    resume changed them), then the schedule."""
     timing = f"{schedule.fragments} fragment(s), " if schedule.fragments > 1 else ""
     timing += f"each exchange {schedule.overlap} step(s) behind training" if schedule.overlap else "blocking"
-    return f"{outer}, Δ sent in {args.fed_sync_dtype}, {timing}"
+    return describe_history(history) + (", " if len(history) == 1 else "; ") + timing
 
 
 def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> list[tuple[str, str]]:
@@ -133,7 +131,7 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
             ("Shard size (ranks)", str(layout.shard_size)),
             ("H (optimizer steps between averagings)", str(args.fed_sync_steps)),
             ("Group batch (samples per optimizer step)", f"{group_batch}{tokens}"),
-            ("Averaging", averaging_description(args)),
+            ("Averaging", averaging_description(trainer.fed_callback.settings_history, args.fed_schedule)),
         ]
     else:
         rows.append(("Batch (samples per optimizer step)", f"{group_batch}{tokens}"))

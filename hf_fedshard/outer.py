@@ -99,6 +99,16 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        """The checkpoint's anchor and momentum buffer, stepped with this optimizer's own lr and momentum.
+
+        `torch.optim.Optimizer.load_state_dict` would restore the checkpoint's hyperparameters too, silently undoing
+        settings changed at a resume (`hf_fedshard.settings_history`). Without momentum the buffer is dropped.
+        """
         for anchor, saved in zip(self.anchor, state["anchor"], strict=True):
             anchor.copy_(saved)
+        group = self.optimizer.param_groups[0]
+        own = {key: group[key] for key in ("lr", "momentum", "nesterov")}
         self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.param_groups[0].update(own)
+        if own["momentum"] == 0:
+            self.optimizer.state.clear()

@@ -121,7 +121,6 @@ class FedShardMixin(Trainer):
                     self.fed_layout, self.args.fed_exchange_timeout_s, split
                 )
             replicas = ProcessGroupCommunicator(replica_group) if split else None
-            outer_lr, outer_momentum = self.args.fed_outer
             self.fed_callback = FedAvgCallback(
                 fed_group=fed_group,
                 num_groups=self.fed_layout.num_groups,
@@ -131,8 +130,7 @@ class FedShardMixin(Trainer):
                 timeout_s=self.args.fed_timeout_s,
                 before_eval=self._evaluate_each_group if self.args.fed_eval_per_group else None,
                 exchange=Exchange(ProcessGroupCommunicator(exchange_group), self.args.fed_sync_dtype, replicas),
-                outer_lr=outer_lr,
-                outer_momentum=outer_momentum,
+                settings=self.args.fed_averaging_settings,
                 replicas=self.fed_layout.replicas,
                 schedule=self.args.fed_schedule,
                 outer_on_device=self.args.fed_outer_state_on_device,

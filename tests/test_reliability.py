@@ -217,6 +217,64 @@ def test_diverged_group_restarts_from_the_others_and_all_diverged_stops(tmp_path
     assert not states[1][embed]["exp_avg"].any()
 
 
+def test_averaging_settings_changed_at_each_resume_take_effect_there(tmp_path):
+    """2 groups of 1 rank, H=2, a checkpoint at every averaging; each relaunch resumes with other settings:
+    fedavg fp32 (steps 1–2) → nesterov 0.7/0.9 bf16 (3–4) → nesterov 0.5/0.8 fp32 (5–6) → fedavg (7–8).
+
+    Each first averaging after a resume follows the new rule from the checkpoint's anchor and momentum buffer
+    (before the fix every run kept the checkpoint's fedavg); the counters keep the whole history for the card.
+    """
+    base = ["--fed_group_size", "1", "--fed_sync_steps", "2", "--save_strategy", "steps", "--save_steps", "2",
+            "--fed_auto_resume", "true", "--record_syncs", "true"]  # fmt: skip
+    nesterov = ["--fed_outer_optimizer", "nesterov"]
+    stages = [
+        (2, []),
+        (4, [*nesterov, "--fed_sync_dtype", "bfloat16"]),
+        (6, [*nesterov, "--fed_outer_lr", "0.5", "--fed_outer_momentum", "0.8"]),
+        (8, []),
+    ]
+    outputs, dumps = [], []
+    for max_steps, settings in stages:
+        args = ["--output_dir", tmp_path, "--dump_dir", tmp_path / "dump", *SGD, *base, *settings]
+        result = torchrun(2, SCRIPT, [*args, "--max_steps", str(max_steps)])
+        assert result.returncode == 0, result.stdout[-6000:]
+        outputs.append(result.stdout)
+        dumps.append(torch.load(tmp_path / "dump" / "rank0.pt", weights_only=False))
+    assert (
+        "resuming at step 2 with other averaging settings than the checkpoint's, honoured from this step on: "
+        "fed_outer_optimizer fedavg → nesterov, fed_outer_lr 1.0 → 0.7, fed_outer_momentum 0.0 → 0.9, "
+        "fed_sync_dtype float32 → bfloat16, the outer momentum starts from zero."
+    ) in outputs[1]
+    assert "other averaging settings" not in outputs[0]
+
+    def outer_state(step: int) -> dict:
+        return torch.load(tmp_path / f"checkpoint-{step}" / "fed_outer" / "position0.pt")["fragments"][0]
+
+    names = [n for n in dumps[0]["full_params"]]  # every parameter trains: the anchor's order
+    for (step, _), dump, (lr, momentum, kept) in zip(
+        stages[1:], dumps[1:], [(0.7, 0.9, False), (0.5, 0.8, True), (1.0, 0.0, False)], strict=True
+    ):
+        saved = outer_state(step - 2)  # the checkpoint this run resumed from
+        means = dump["sync_exchanges"][step][1]
+        after = dump["sync_params"][step][1]
+        for i, name in enumerate(names):
+            buffer = saved["optimizer"]["state"][i]["momentum_buffer"] if kept else torch.zeros_like(means[i])
+            buffer = momentum * buffer + means[i]
+            expected = saved["anchor"][i] - lr * (means[i] + momentum * buffer if momentum else means[i])
+            torch.testing.assert_close(after[name], expected, atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    bf16_means = dumps[1]["sync_exchanges"][4][1]
+    assert all(torch.equal(m, m.bfloat16().float()) for m in bf16_means)  # sent in bfloat16 after the resume
+    assert not all(torch.equal(m, m.bfloat16().float()) for m in dumps[2]["sync_exchanges"][6][1])  # float32 again
+    history = [(e["step"], e["outer_optimizer"], e["outer_lr"], e["outer_momentum"], e["sync_dtype"])
+               for e in dumps[3]["fed_counters"]["averaging"]]  # fmt: skip
+    assert history == [
+        (0, "fedavg", 1.0, 0.0, "float32"),
+        (2, "nesterov", 0.7, 0.9, "bfloat16"),
+        (4, "nesterov", 0.5, 0.8, "float32"),
+        (6, "fedavg", 1.0, 0.0, "float32"),
+    ]
+
+
 @pytest.mark.parametrize("group_size", ["1", "4"])
 def test_checkpoint_of_another_layout_fails_on_every_rank_without_hang(reference, tmp_path, group_size):
     """train() refuses it on each rank before any collective (the in-process table holds the other cases).
