@@ -41,6 +41,7 @@ from .settings_history import (
     history_to_state,
     settings_of_outer_state,
 )
+from .timeouts import peer_died
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ class FedAvgCallback(TrainerCallback):
         group: process group of this rank's own federation group, to agree on its divergence flag; ``None``
             when a group is one rank.
         timeout_s: the timeout ``fed_group`` was created with, quoted in the error when a group stops answering.
+        world_group: every rank, created with ``timeout_s``, for the norms of `_measure` (default: the world's
+            group, whose timeout is ``ddp_timeout``).
         before_eval: called on every rank right before an evaluation between averagings (or the averaging on
             an evaluation's step), while the groups still hold their own models (per-group evaluation).
         exchange: how the mean Δ is computed (wire dtype, FL+HSDP split); default: fp32 over ``fed_group``.
@@ -140,6 +143,7 @@ class FedAvgCallback(TrainerCallback):
         average_optimizer_state: bool = False,
         group: ProcessGroup | None = None,
         timeout_s: float | None = None,
+        world_group: ProcessGroup | None = None,
         before_eval: Callable[[], None] | None = None,
         exchange: Exchange | None = None,
         settings: AveragingSettings | None = None,
@@ -153,6 +157,7 @@ class FedAvgCallback(TrainerCallback):
         self.average_optimizer_state = average_optimizer_state
         self.group = group
         self.timeout_s = timeout_s
+        self.world_group = world_group
         self.before_eval = before_eval
         self.exchange = exchange or Exchange(ProcessGroupCommunicator(fed_group))
         self.settings = settings or AveragingSettings()
@@ -426,7 +431,8 @@ class FedAvgCallback(TrainerCallback):
         a, b = self.ranges[flight.fragment]
         outer = self.outers[flight.fragment]
         deltas = outer.deltas(flight.snapshots) if flight.contribute else [torch.zeros_like(m) for m in means]
-        self._measure(deltas, means, flight.contribute, flight.contributors)
+        with self._explain_failures(step):
+            self._measure(deltas, means, flight.contribute, flight.contributors)
         self._in_flight = None
         diverged_now = self.diverged(tensors, step)
         self._check_not_all_diverged(diverged_now, step)
@@ -454,7 +460,7 @@ class FedAvgCallback(TrainerCallback):
             drift = (d - m for d, m in zip(deltas, means, strict=True))
             sums[get_rank(self.fed_group)] = sum((x.double().square().sum() for x in drift), 0.0)
         sums[-1] = sum((m.double().square().sum() for m in means), 0.0)
-        all_reduce(sums, op=ReduceOp.SUM)
+        all_reduce(sums, op=ReduceOp.SUM, group=self.world_group)
         sums /= self.replicas
         mean_norm = (sums[-1] / self.num_groups).sqrt()  # every group holds the same mean Δ
         self.delta_norm = mean_norm.item()
@@ -508,11 +514,16 @@ class FedAvgCallback(TrainerCallback):
         try:
             yield
         except RuntimeError as err:
+            if peer_died(err):
+                raise RuntimeError(
+                    f"hf_fedshard: an exchange across federation groups failed at step {step}: a rank of another "
+                    f"group died (its connection closed). Check that group's logs for its error. Cause: {err}"
+                ) from err
             limit = f"fed_timeout_s={self.timeout_s:g}" if self.timeout_s else "ddp_timeout (fed_timeout_s unset)"
             raise RuntimeError(
                 f"hf_fedshard: an exchange across federation groups failed at step {step}: another group stopped "
-                f"answering (no reply within {limit} seconds, or its ranks died). Check that group's logs; if it is "
-                f"only slow, raise --fed_timeout_s. Cause: {err}"
+                f"answering (no reply within {limit} seconds). Check that group's logs; if it is only slow, raise "
+                f"--fed_timeout_s. Cause: {err}"
             ) from err
 
     @contextlib.contextmanager
@@ -563,12 +574,12 @@ class FedAvgCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         # A fresh run averages the initial weights into the first anchor; a resumed one restores its checkpoint's.
         self._output_dir = args.output_dir
+        trainable = trainable_parameters(model)
+        self.ranges = fragment_ranges(model, trainable, self.schedule.fragments)  # refuses F > units: no collective yet
         if state.global_step == 0:
             self._synced_at = [0] * self.schedule.fragments
             self._in_flight = None
             self._average_initial_weights(model)
-        trainable = trainable_parameters(model)
-        self.ranges = fragment_ranges(model, trainable, self.schedule.fragments)
         params = model_state_tensors(model)[: len(trainable)]
         device = outer_state_device(params, self.outer_on_device)
         lr, momentum = self.settings.outer_lr, self.settings.outer_momentum

@@ -203,6 +203,14 @@ def fed_process_group(layout: FederationLayout, timeout_s: float) -> ProcessGrou
     return group
 
 
+def averaging_world_group(timeout_s: float) -> ProcessGroup:
+    """Every rank, with the averaging's timeout: the norms an averaging sums over all groups fail within it too.
+
+    The world's default group has ``ddp_timeout``; an averaging's collectives must all end within ``timeout_s``.
+    """
+    return dist.new_group(timeout=timedelta(seconds=timeout_s))
+
+
 def exchange_process_groups(
     layout: FederationLayout, timeout_s: float, with_replicas: bool
 ) -> tuple[ProcessGroup, ProcessGroup | None]:

@@ -37,11 +37,24 @@ def explain_stalled_collectives(step: Callable[[], int], ddp_timeout: float) -> 
     except RuntimeError as err:
         if not _is_collective_failure(err):
             raise
+        if peer_died(err):
+            raise RuntimeError(
+                f"hf_fedshard: a collective across ranks failed at step {step()}: a rank died (its connection "
+                f"closed). Check the other ranks' logs for its error. Cause: {err}"
+            ) from err
         raise RuntimeError(
             f"hf_fedshard: a collective across ranks failed at step {step()}: a rank stopped answering (no reply "
-            f"within ddp_timeout={ddp_timeout:g} seconds) or died. Check the other ranks' logs; if they are only "
+            f"within ddp_timeout={ddp_timeout:g} seconds). Check the other ranks' logs; if they are only "
             f"slow, raise --ddp_timeout. Cause: {err}"
         ) from err
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_died(err: BaseException) -> bool:
+    """Whether a collective failed because a peer's process is gone (its sockets closed), not because it is slow."""
+    return any(text in str(err) for text in _PEER_GONE)
 
 
 def _is_collective_failure(err: RuntimeError) -> bool:

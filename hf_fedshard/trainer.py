@@ -48,6 +48,7 @@ from .group_eval import evaluate_each_group
 from .group_gather import gathers_within_group
 from .mesh import (
     FederationLayout,
+    averaging_world_group,
     destroy_gloo_groups_at_exit,
     exchange_process_groups,
     fed_process_group,
@@ -128,6 +129,7 @@ class FedShardMixin(Trainer):
                 average_optimizer_state=self.args.fed_average_optimizer_state,
                 group=self._group_pg if self.fed_layout.group_size > 1 else None,
                 timeout_s=self.args.fed_timeout_s,
+                world_group=averaging_world_group(self.args.fed_exchange_timeout_s),
                 before_eval=self._evaluate_each_group if self.args.fed_eval_per_group else None,
                 exchange=Exchange(ProcessGroupCommunicator(exchange_group), self.args.fed_sync_dtype, replicas),
                 settings=self.args.fed_averaging_settings,

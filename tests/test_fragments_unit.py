@@ -4,6 +4,7 @@ balanced by bytes, the apply rule that keeps local progress, and one-line refusa
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -191,3 +192,12 @@ def test_resuming_an_exchange_the_schedule_does_not_hold_fails_with_one_line():
     assert "\n" not in str(err.value)
     callback.load_in_flight_state({**state, "apply_step": 3})
     assert callback._in_flight.apply_step == 3
+
+
+def test_more_fragments_than_fsdp_units_is_refused_before_the_first_averaging():
+    """on_train_begin refuses F > units before step 0's averaging (here it would need a process group)."""
+    callback = FedAvgCallback(None, num_groups=2, sync_steps=8, exchange=Exchange(None), schedule=Schedule(8, 8))
+    state = SimpleNamespace(global_step=0)
+    with pytest.raises(ConfigError, match="fed_sync_fragments=8 exceeds the model's 2 FSDP units") as err:
+        callback.on_train_begin(SimpleNamespace(output_dir="out"), state, None, model=nn.Linear(2, 2))
+    assert "\n" not in str(err.value)

@@ -187,6 +187,24 @@ def test_stopped_rank_ends_the_job_within_the_timeouts(tmp_path):
     assert not _processes_mentioning(str(tmp_path))  # the stopped rank too
 
 
+def test_stopped_rank_with_an_exchange_in_flight_fails_the_others_within_fed_timeout(tmp_path):
+    """τ = 1, H = 4: rank 3 (group 1) stops as step 5, the apply step, begins. Group 0 fails in the apply's norms
+    all-reduce (over every rank) within fed_timeout_s, not the 600 s ddp_timeout that group had before."""
+    args = ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, "--fed_group_size", "2", "--fed_sync_steps", "4",
+            "--fed_sync_overlap", "1", "--max_steps", "8", "--ddp_timeout", "600", "--fed_timeout_s", "10",
+            "--stop_at_step", "5", "--fault_rank", "3"]  # fmt: skip
+    result = torchrun(4, SCRIPT, args, timeout_s=400)
+    ended = time.time()
+    assert result.returncode != 0
+    stopped = float(re.search(r"rank 3 stopping at ([\d.]+)", result.stdout).group(1))
+    assert ended - stopped < 10 + 60, result.stdout[-3000:]
+    assert (
+        "an exchange across federation groups failed at step 5: another group stopped answering (no reply within "
+        "fed_timeout_s=10 seconds)"
+    ) in result.stdout
+    assert not _processes_mentioning(str(tmp_path))
+
+
 def test_diverged_group_restarts_from_the_others_and_all_diverged_stops(tmp_path):
     """A NaN in group 1 after step 3 (healed at the averaging of step 4), then in both groups after step 5.
 
