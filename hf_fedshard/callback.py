@@ -226,7 +226,13 @@ class FedAvgCallback(TrainerCallback):
         self.total_sync_seconds = float(state.get("total_sync_seconds", 0.0))
         self.total_wait_seconds = float(state.get("total_wait_seconds", 0.0))
         self.diverged_groups = int(state["diverged_groups"])
-        synced_at = state.get("synced_at", [state.get("last_synced_step", 0)])
+        if "synced_at" not in state:
+            raise ConfigError(
+                "the checkpoint's FedAvg counters hold last_synced_step, written by an hf_fedshard release before "
+                "pseudo-gradient averaging, which this one does not resume. Resume it with that release, or start "
+                "afresh in another output_dir."
+            )
+        synced_at = state["synced_at"]
         if len(synced_at) != self.schedule.fragments:
             raise ConfigError(
                 f"fed_sync_fragments={self.schedule.fragments}, but the checkpoint was written with "
@@ -602,14 +608,14 @@ class FedAvgCallback(TrainerCallback):
         )  # fmt: skip
 
     def _load_outers(self, step: int) -> None:
-        """Every fragment's anchor and momentum from the checkpoint (an issue-8 checkpoint holds one fragment)."""
+        """Every fragment's anchor and momentum from the checkpoint."""
         saved = self._saved_outer_state
         if saved is None:
             raise RuntimeError(
                 f"hf_fedshard: the checkpoint resumed at step {step} holds no anchor (fed_outer/); it was written "
                 "before pseudo-gradient averaging. Resume from a newer checkpoint or start afresh."
             )
-        fragments = saved.get("fragments", [saved])
+        fragments = saved["fragments"]
         if len(fragments) != len(self.outers):
             raise ConfigError(
                 f"fed_sync_fragments={len(self.outers)}, but the checkpoint holds {len(fragments)} fragment(s). "

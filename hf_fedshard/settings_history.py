@@ -70,7 +70,7 @@ def settings_of_outer_state(outer_state: dict, sync_dtype: str) -> AveragingSett
 
     The wire dtype left no trace in such a checkpoint: ``sync_dtype`` (the current one) is assumed.
     """
-    group = outer_state.get("fragments", [outer_state])[0]["optimizer"]["param_groups"][0]
+    group = outer_state["fragments"][0]["optimizer"]["param_groups"][0]
     lr, momentum = float(group["lr"]), float(group["momentum"])
     name = "fedavg" if (lr, momentum) == (1.0, 0.0) else "nesterov"
     return AveragingSettings(name, lr, momentum, sync_dtype)

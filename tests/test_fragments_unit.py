@@ -178,6 +178,14 @@ def test_resuming_with_another_number_of_fragments_fails_with_one_line():
     assert callback.state_dict()["synced_at"] == [4, 2]
 
 
+def test_counters_of_a_release_before_pseudo_gradients_are_refused_in_one_line():
+    callback = FedAvgCallback(None, num_groups=2, sync_steps=4, exchange=Exchange(None))
+    counters = {"syncs": 2, "inter_group_bytes": 10, "last_sync_seconds": 0.1, "diverged_groups": 0}
+    with pytest.raises(ConfigError, match="counters hold last_synced_step, written by an hf_fedshard release") as err:
+        callback.load_state_dict({**counters, "last_synced_step": 4})
+    assert "\n" not in str(err.value)
+
+
 def test_an_overlapped_callback_needs_an_exchange_of_its_own():
     with pytest.raises(ValueError, match="an overlapped schedule needs an `exchange`"):
         FedAvgCallback(None, num_groups=2, sync_steps=4, schedule=Schedule(4, 1, 1))

@@ -105,4 +105,4 @@ def test_a_checkpoint_without_the_record_is_read_off_its_outer_optimizer():
     assert settings_of_outer_state({"fragments": [nesterov.state_dict()]}, "int8") == AveragingSettings(
         "nesterov", 0.5, 0.8, "int8"
     )
-    assert settings_of_outer_state(fedavg.state_dict(), "float32") == AveragingSettings()
+    assert settings_of_outer_state({"fragments": [fedavg.state_dict()]}, "float32") == AveragingSettings()
