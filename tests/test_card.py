@@ -11,7 +11,7 @@ from huggingface_hub import ModelCard
 from transformers import TrainerState, TrainingArguments
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
-from hf_fedshard.card import results_table
+from hf_fedshard.card import card_section, results_table
 
 from .scripts.train_tiny import TokenDataset, tiny_llama
 
@@ -68,3 +68,19 @@ def test_card_times_a_resumed_run_over_the_whole_run(tmp_path, world4):
     rows = dict(results_table(records_of(tmp_path, RESUMED), tokens_per_sample=None))
     assert rows["Time in inter-group averaging (s, rank 0)"] == "2.00 (2.5% of training)"  # 2 s of 80 s, not of 10
     assert rows["Training wall time (s)"] == "80.0"
+
+
+@pytest.mark.parametrize(
+    ("fed", "sentence"),
+    [
+        ({}, "combined, on each rank's local shard, by FedAvg, Δ sent in float32, blocking."),
+        (
+            {"fed_outer_optimizer": "nesterov", "fed_outer_lr": 0.5, "fed_outer_momentum": 0.8},
+            "combined, on each rank's local shard, by Nesterov outer SGD (lr 0.5, momentum 0.8), Δ sent in float32",
+        ),
+    ],
+)
+def test_card_sentence_names_the_outer_optimizer_that_ran(tmp_path, world4, fed, sentence):
+    text = " ".join(card_section(records_of(tmp_path, RESUMED, **fed)).split())  # the template wraps lines
+    assert sentence in text
+    assert ("FedAvg" in text) == (not fed)
