@@ -93,6 +93,15 @@ def _last(history: list[dict], key: str) -> dict:
     return next((entry for entry in reversed(history) if key in entry), {})
 
 
+def training_wall_seconds(history: list[dict]) -> float | None:
+    """The whole run's training wall time: the clock's stamp on the last ``train_runtime`` entry.
+
+    Trainer's ``train_runtime`` covers only the last `train()` call, so after a resume it is a fraction of the run
+    whose averaging time (``fed_sync_seconds_total``, kept in checkpoints) the card divides; the stamp is not.
+    """
+    return _last(history, "train_runtime").get(WALL_SECONDS)
+
+
 def setup_description(trainer: FedShardTrainer) -> str:
     """What the run really was, in a few words: the method with a federation, the plain set-up without one."""
     layout, world = trainer.fed_layout, trainer.args.world_size
@@ -122,6 +131,7 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
     group_batch = args.per_device_train_batch_size * layout.group_size * args.gradient_accumulation_steps
     samples_seen = trainer.state.global_step * group_batch * layout.num_groups
     train, evaluation, fed = _last(history, "train_runtime"), _last(history, "eval_loss"), _last(history, "fed_syncs")
+    wall_s = training_wall_seconds(history)
     tokens = f" ({group_batch * tokens_per_sample:,} tokens)" if tokens_per_sample else ""
     rows = [("Method", setup_description(trainer)), ("World size (ranks)", str(layout.world_size))]
     if layout.federated:
@@ -148,15 +158,15 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
         rows += [("Inter-group syncs", str(fed["fed_syncs"])),
                  ("Inter-group bytes sent per rank", f"{fed['fed_inter_group_bytes']:,}")]  # fmt: skip
         if "fed_sync_seconds_total" in fed:
-            share = f" ({fed['fed_sync_seconds_total'] / train['train_runtime']:.1%} of training)" if train else ""
+            share = f" ({fed['fed_sync_seconds_total'] / wall_s:.1%} of training)" if wall_s else ""
             rows.append(("Time in inter-group averaging (s, rank 0)", f"{fed['fed_sync_seconds_total']:.2f}{share}"))
         if fed.get("fed_diverged_groups"):
             steps = ", ".join(map(str, divergence_steps(history)))
             rows.append(
                 ("Diverged groups restarted from the others", f"{fed['fed_diverged_groups']} (at step {steps})")
             )
-    if "train_runtime" in train:
-        rows.append(("Training wall time (s)", f"{train['train_runtime']:.1f}"))
+    if wall_s is not None:
+        rows.append(("Training wall time (s)", f"{wall_s:.1f}"))
     return rows
 
 
@@ -232,6 +242,7 @@ def card_section(trainer: FedShardTrainer, tokens_per_sample: int | None = None,
         federated=layout.federated,
         method=layout.method,
         layout=layout.describe(),
+        averaging=averaging_description(trainer.args) if layout.federated else None,
         setup=setup_description(trainer),
         rows=results_table(trainer, tokens_per_sample),
         plot=PLOT_NAME,

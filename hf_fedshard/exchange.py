@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.distributed import ProcessGroup, ReduceOp, all_gather_into_tensor, all_reduce, all_to_all_single
+from torch.distributed import ProcessGroup, ReduceOp, all_gather_single, all_reduce, all_to_all_single
 
 from .averaging import BUCKET_BYTES
 from .codec import Encoded, alignment, decode, encode
@@ -63,7 +63,7 @@ class ProcessGroupCommunicator:
         all_to_all_single(output, input, group=self.group)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        all_gather_into_tensor(output, input, group=self.group)
+        all_gather_single(output, input, group=self.group)
 
 
 def _pad(x: torch.Tensor, multiple: int) -> torch.Tensor:

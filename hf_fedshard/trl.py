@@ -48,8 +48,9 @@ class FedShardSFTTrainer(SFTTrainer, FedShardMixin):
 
     With a `peft_config`, only the adapter's parameters are trainable, so only they are averaged across groups.
     SFTTrainer's training metrics (`mean_token_accuracy`, `entropy`, `num_tokens`) are gathered over the group at
-    every step and combined over the groups at logging steps only: `num_tokens` counts the world's tokens, the
-    others are the mean of the groups' values (the world's mean when the groups train on equally many tokens).
+    every step and combined over the groups at logging steps only: `num_tokens` (an evaluation's `eval_num_tokens`
+    too) counts the world's train tokens, the others are the mean of the groups' values (the world's mean when the
+    groups train on equally many tokens).
     """
 
     def __init__(self, model: Any, args: TrainingArguments | None = None, *pos: Any, **kwargs: Any) -> None:
@@ -62,14 +63,19 @@ class FedShardSFTTrainer(SFTTrainer, FedShardMixin):
         super().__init__(model, args, *pos, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # Combine the groups' training metrics once per log (SFTTrainer.log averages them next).
-        if self.fed_callback is not None and self.model.training and self._metrics["train"]:
-            self._combine_group_metrics(self._metrics["train"])
+        # Combine the groups' metrics once per log (SFTTrainer.log averages them next). An evaluation gathers over
+        # the world already, except its num_tokens: the group's count of train tokens, like training's.
+        if self.fed_callback is not None:
+            metrics = self._metrics["train" if self.model.training else "eval"]
+            keys = sorted(metrics) if self.model.training else [k for k in _SUMMED_METRICS if k in metrics]
+            self._combine_group_metrics(metrics, keys)
         super().log(logs, start_time)
 
-    def _combine_group_metrics(self, metrics: dict[str, list[float]]) -> None:
-        """One all-reduce along the fed axis: sums of token counts, means of the other per-step values."""
-        keys = sorted(metrics)
+    def _combine_group_metrics(self, metrics: dict[str, list[float]], keys: list[str]) -> None:
+        """One all-reduce along the fed axis of ``keys`` (the same on every rank; none: no collective): sums of
+        token counts, means of the other per-step values."""
+        if not keys:
+            return
         flat = torch.tensor([v for k in keys for v in metrics[k]], dtype=torch.float64)
         dist.all_reduce(flat, group=self.fed_callback.fed_group)
         values = iter(flat.tolist())

@@ -1,18 +1,21 @@
-"""Fast in-process checks of the codec, the exchange (with a fake communicator) and the outer optimizer."""
+"""Fast in-process checks of the codec, the exchange (with a fake communicator, and over a one-rank gloo group)
+and the outer optimizer."""
 
 from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from hf_fedshard.arguments import FedShardTrainingArguments
 from hf_fedshard.codec import INT8_BLOCK, decode, encode
 from hf_fedshard.errors import ConfigError
-from hf_fedshard.exchange import Exchange, mean_over_groups
+from hf_fedshard.exchange import Exchange, ProcessGroupCommunicator, mean_over_groups, split_mean_over_groups
 from hf_fedshard.outer import OuterOptimizer
 
 
@@ -140,6 +143,30 @@ def test_split_exchange_equals_the_unsplit_one_with_bytes_divided_by_the_replica
         assert torch.equal(means[0], unsplit[0][0][0])
         assert sent * 2 == unsplit[0][1] + 4  # half the payload, padded to an even length
     assert unsplit[0][1] == 999 * 4
+
+
+@pytest.fixture
+def gloo_world_of_one() -> Iterator[ProcessGroupCommunicator]:
+    """A real one-rank gloo process group in the test process: torch's own collectives, without launching ranks."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield ProcessGroupCommunicator(dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_process_group_exchange_uses_no_deprecated_collective(gloo_world_of_one, dtype):
+    """The compressed exchange and the replica split through torch.distributed: values of the fake communicator's
+    rule, and no FutureWarning/DeprecationWarning (torch 2.13 deprecates all_gather_into_tensor)."""
+    x = payloads(1, numel=3 * INT8_BLOCK + 5)[0]
+    with warnings.catch_warnings():
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.simplefilter("error", category)
+        mean, _ = Exchange(gloo_world_of_one, dtype).mean([x], 1)
+        split, _ = split_mean_over_groups(x, gloo_world_of_one, gloo_world_of_one, 1, dtype)
+    (expected,) = run_ranks(1, lambda comm: mean_over_groups(x, comm, 1, dtype)[0])
+    assert torch.equal(mean[0], expected) and torch.equal(split, expected)
 
 
 # ---- outer optimizer ----

@@ -109,6 +109,7 @@ def test_fed_sft_with_h1_equals_sft_trainer_under_ddp(sft_exactness):
         logs = [h for h in run[0]["log_history"] if "loss" in h]
         assert [h["num_tokens"] for h in logs] == [4 * 2 * 16 * h["step"] for h in logs]
         assert all(0 <= h["mean_token_accuracy"] <= 1 for h in logs)
+        assert [rank["eval"]["eval_num_tokens"] for rank in run] == [4 * 2 * 16 * 3] * 4  # and the evaluation's
 
 
 @pytest.mark.slow
