@@ -122,6 +122,10 @@ def averaging_description(history: History, schedule: Schedule) -> str:
     return describe_history(history) + (", " if len(history) == 1 else "; ") + timing
 
 
+def _averaging(trainer: FedShardTrainer) -> str:
+    return averaging_description(trainer.fed_callback.settings_history, trainer.args.fed_schedule)
+
+
 def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> list[tuple[str, str]]:
     """(quantity, value) rows of the card's results table, all read from the run's own records.
 
@@ -141,7 +145,7 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
             ("Shard size (ranks)", str(layout.shard_size)),
             ("H (optimizer steps between averagings)", str(args.fed_sync_steps)),
             ("Group batch (samples per optimizer step)", f"{group_batch}{tokens}"),
-            ("Averaging", averaging_description(trainer.fed_callback.settings_history, args.fed_schedule)),
+            ("Averaging", _averaging(trainer)),
         ]
     else:
         rows.append(("Batch (samples per optimizer step)", f"{group_batch}{tokens}"))
@@ -242,7 +246,7 @@ def card_section(trainer: FedShardTrainer, tokens_per_sample: int | None = None,
         federated=layout.federated,
         method=layout.method,
         layout=layout.describe(),
-        averaging=averaging_description(trainer.args) if layout.federated else None,
+        averaging=_averaging(trainer) if layout.federated else None,
         setup=setup_description(trainer),
         rows=results_table(trainer, tokens_per_sample),
         plot=PLOT_NAME,

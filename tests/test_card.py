@@ -51,7 +51,9 @@ def records_of(tmp_path, history: list[dict], **fed: Any) -> SimpleNamespace:
     """What the card reads of a trainer (arguments, layout, state), without training: FL+FSDP, 2 groups × 2."""
     args = FedShardTrainingArguments(output_dir=str(tmp_path), fed_group_size=2, fed_sync_steps=4, **fed)
     state = TrainerState(global_step=history[-1]["step"], log_history=history)
-    return SimpleNamespace(args=args, fed_layout=args.fed_layout, state=state, is_fsdp_enabled=True)
+    callback = SimpleNamespace(settings_history=[(0, args.fed_averaging_settings)])
+    layout = args.fed_layout
+    return SimpleNamespace(args=args, fed_layout=layout, state=state, is_fsdp_enabled=True, fed_callback=callback)
 
 
 # A run resumed at step 4: the clock's stamps continue across the restart, train_runtime covers the second session.
