@@ -29,7 +29,7 @@ def worker(out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.bench_train import uplink_bytes
+    from benchmarks.harness.bench_train import uplink_bytes
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -59,7 +59,7 @@ def worker(out: Path) -> None:
 def main() -> None:
     import tempfile
 
-    from benchmarks.netns import Cluster, handle_termination
+    from benchmarks.harness.netns import Cluster, handle_termination
     from hf_fedshard.cost import GLOO, RING, ring_hop_bytes
 
     payload = NUMEL * 4

@@ -27,8 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
-from benchmarks.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.report import run_record, write_study  # noqa: E402
+from benchmarks.harness import TRAIN_SCRIPT  # noqa: E402
+from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.report import run_record, write_study  # noqa: E402
 from benchmarks.two_tier import DATA_CACHE, BenchConfig, prepare_data, shared_args  # noqa: E402
 
 GROUPS, RANKS_PER_GROUP = 2, 2
@@ -45,7 +46,7 @@ def train(label: str, args: list[str], cfg: BenchConfig, data: Path, work: Path)
     """One run on 4 local ranks; rank 0's evaluations (step, eval_loss)."""
     run_dir = work / label
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.world_size}",
-           str(REPO / "benchmarks" / "bench_train.py"), "--data_dir", str(data), "--record_dir", str(run_dir / "rec"),
+           str(TRAIN_SCRIPT), "--data_dir", str(data), "--record_dir", str(run_dir / "rec"),
            "--output_dir", str(run_dir / "out"), *shared_args(cfg), *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip

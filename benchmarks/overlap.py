@@ -2,7 +2,7 @@
 
 On the two-tier emulated cluster (4 nodes × 2 ranks, 100 Mbit/s links), each repetition runs every method once
 in the same order, so a drift in the machine's load hits every method of a repetition alike; every figure is
-the median over repetitions with its range. Methods (benchmarks/report.py's VARIANTS):
+the median over repetitions with its range. Methods (benchmarks/harness/report.py's VARIANTS):
 
 - FL+FSDP: blocking fp32 FedAvg every H steps (the paper's algorithm);
 - FL+FSDP overlap: the whole model's exchange runs behind τ = 1 step;
@@ -37,8 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
-from benchmarks.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.report import (  # noqa: E402
+from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.report import (  # noqa: E402
     judge,
     median_range,
     overlap_targets,

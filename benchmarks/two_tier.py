@@ -9,9 +9,9 @@ As root, on one Linux machine (network namespaces, `tc`; see benchmarks/README.m
     python benchmarks/two_tier.py --topology three-tier   # 2 racks × 2 nodes × 2 ranks, 1 Gbit/s in a rack,
                                                           # 100 Mbit/s between racks; FL+HSDP groups = racks
 
-Each method runs benchmarks/bench_train.py with the real multi-node launcher, `torchrun --nnodes N --node_rank i`,
-one launcher per node namespace, rendezvous on node 0's address. Results (JSON with every figure, a Markdown
-table, PNG plots) go to ``--out`` (default benchmarks/results/<quick|full>/).
+Each method runs benchmarks/harness/bench_train.py with the real multi-node launcher,
+`torchrun --nnodes N --node_rank i`, one launcher per node namespace, rendezvous on node 0's address. Results (JSON
+with every figure, a Markdown table, PNG plots) go to ``--out`` (default benchmarks/results/<quick|full>/).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
-from benchmarks import report  # noqa: E402
-from benchmarks.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.netns import Cluster, handle_termination  # noqa: E402
-from benchmarks.report import VARIANTS, base_method  # noqa: E402
+from benchmarks.harness import TRAIN_SCRIPT, report  # noqa: E402
+from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.netns import Cluster, handle_termination  # noqa: E402
+from benchmarks.harness.report import VARIANTS, base_method  # noqa: E402
 
 DATA_CACHE = Path.home() / ".cache" / "hf_fedshard" / "benchmark-data"
 QUICK_METHODS = ("FSDP", "HSDP", "FL+FSDP", "ideal")
@@ -182,7 +182,7 @@ def run_method(cluster: Cluster, name: str, cfg: BenchConfig, data: Path, work: 
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
     logs = [run_dir / f"node{node}.log" for node in range(cfg.nodes)]
     start = time.monotonic()
-    commands = cluster.torchrun_commands(cfg.ranks_per_node, port, [str(REPO / "benchmarks" / "bench_train.py"), *args])
+    commands = cluster.torchrun_commands(cfg.ranks_per_node, port, [str(TRAIN_SCRIPT), *args])
     codes = cluster.run(commands, env, logs, cfg.timeout_s)
     print(f"  {name}: exit codes {codes} in {time.monotonic() - start:.0f} s", flush=True)
     if any(codes):

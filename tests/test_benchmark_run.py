@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from benchmarks.netns import list_namespaces
-from benchmarks.report import perplexity_at, variant_targets, window_throughputs
+from benchmarks.harness.netns import list_namespaces
+from benchmarks.harness.report import perplexity_at, variant_targets, window_throughputs
 from benchmarks.two_tier import BenchConfig, method_args
 
 from .launch import REPO

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from benchmarks import overlap, quality, scaling
-from benchmarks.report import predicted, targets
+from benchmarks.harness.report import predicted, targets
 
 
 def test_quality_runs_hold_tokens_and_per_device_batch_fixed():

@@ -3,7 +3,7 @@
 Launched by two_tier.py in each node's namespace (one launcher per node), e.g. FL+FSDP on 2 nodes × 2 ranks:
 
     ip netns exec fsb<pid>n<i> torchrun --nnodes 2 --nproc_per_node 2 --node_rank <i> --master_addr 10.213.0.1 \
-        --master_port 29500 benchmarks/bench_train.py --data_dir D --record_dir R --output_dir O \
+        --master_port 29500 benchmarks/harness/bench_train.py --data_dir D --record_dir R --output_dir O \
         --fed_group_size 2 --fed_sync_steps 8 ...
 
 Every method runs `FedShardTrainer` on the same packed data, model, per-device batch and hyperparameters; only
@@ -33,7 +33,7 @@ from accelerate.local_sgd import LocalSGD
 from datasets import disable_progress_bars, load_from_disk
 from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback, default_data_collator, set_seed
 
-from benchmarks.netns import RACK_NETNS_ENV, TRUNK, UPLINK
+from benchmarks.harness.netns import RACK_NETNS_ENV, TRUNK, UPLINK
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
 from hf_fedshard.models import PRESETS, build_model
 
