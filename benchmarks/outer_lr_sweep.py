@@ -29,8 +29,8 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
 
 from benchmarks.harness import TRAIN_SCRIPT  # noqa: E402
 from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data, shared_args  # noqa: E402
 from benchmarks.harness.report import run_record, write_study  # noqa: E402
-from benchmarks.two_tier import DATA_CACHE, BenchConfig, prepare_data, shared_args  # noqa: E402
 
 GROUPS, RANKS_PER_GROUP = 2, 2
 CONFIG_FIELDS = ("model_size", "steps", "sync_steps", "eval_steps", "batch_size", "block_size", "learning_rate", "seed")

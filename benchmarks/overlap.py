@@ -38,6 +38,7 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
     sys.path.insert(0, str(REPO))
 
 from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
 from benchmarks.harness.report import (  # noqa: E402
     judge,
     median_range,
@@ -47,7 +48,6 @@ from benchmarks.harness.report import (  # noqa: E402
     spread,
     write_study,
 )
-from benchmarks.two_tier import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
 
 METHODS = ("FL+FSDP", "FL+FSDP overlap", "FL+FSDP stream", "FL+FSDP stream int8", "ideal", "LocalSGD")
 FIGURES = ("tokens_per_s", "fraction_of_ideal", "exchange_wait_ratio", "loop_wait_ratio", "averaging_ratio_median",
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()  # after the lock: the record's wall time is the study's own
         for rep in range(repeats):
             print(f"repetition {rep + 1}/{repeats}", flush=True)
-            runs.append(benchmark(cfg, Path(tmp) / f"r{rep}" / "out", Path(tmp) / f"r{rep}", args.data_cache))
+            runs.append(benchmark(cfg, Path(tmp) / f"r{rep}", args.data_cache))
     results = {"config": asdict(cfg), "repeats": repeats, "summary": combine(runs, cfg.methods), "runs": runs}
     results.update(run_record("benchmarks/overlap.py", sys.argv[1:] if argv is None else argv, started))
     print(write_study(out, results, markdown))

@@ -39,8 +39,8 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
 
 from benchmarks.harness import TRAIN_SCRIPT  # noqa: E402
 from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data  # noqa: E402
 from benchmarks.harness.report import run_record, run_record_lines, write_study  # noqa: E402
-from benchmarks.two_tier import DATA_CACHE, BenchConfig, prepare_data  # noqa: E402
 
 VARIANTS = ("FSDP", "FSDP √-lr", "FL+FSDP")
 

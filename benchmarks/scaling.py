@@ -34,6 +34,7 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
     sys.path.insert(0, str(REPO))
 
 from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
 from benchmarks.harness.report import (  # noqa: E402
     layout_of,
     median_range,
@@ -42,7 +43,6 @@ from benchmarks.harness.report import (  # noqa: E402
     spread,
     write_study,
 )
-from benchmarks.two_tier import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
 from hf_fedshard.cost import model_state_bytes_per_rank  # noqa: E402
 
 METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal")
@@ -80,7 +80,7 @@ def study(base: BenchConfig, scales: tuple[int, ...], repeats: int, work: Path, 
         runs = []
         for rep in range(repeats):
             print(f"{nodes} nodes, repetition {rep + 1}/{repeats}", flush=True)
-            runs.append(benchmark(cfg, work / f"n{nodes}r{rep}" / "out", work / f"n{nodes}r{rep}", data_cache))
+            runs.append(benchmark(cfg, work / f"n{nodes}r{rep}", data_cache))
         raw[nodes] = runs
         points[nodes] = {m: point(runs, m, asdict(cfg)) for m in cfg.methods}
     return {"config": asdict(base), "scales": list(scales), "repeats": repeats, "points": points, "runs": raw}

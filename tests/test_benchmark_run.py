@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
+from benchmarks.harness.methods import BenchConfig, method_args
 from benchmarks.harness.netns import list_namespaces
 from benchmarks.harness.report import perplexity_at, variant_targets, window_throughputs
-from benchmarks.two_tier import BenchConfig, method_args
 
 from .launch import REPO
 

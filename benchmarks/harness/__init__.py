@@ -1,5 +1,6 @@
 """What the studies in ``benchmarks/`` import; nothing here is run on its own, except by the studies.
 
+- ``methods``: the methods compared (FSDP, HSDP, FL+FSDP, ...) and one run of them on a fresh emulated cluster;
 - ``netns``: the emulated two- or three-tier cluster (a network namespace per node, rate-limited links);
 - ``bench_train``: the training script each study launches on every rank (by path, under torchrun);
 - ``report``: figures, targets and tables from the ranks' records, and the results writers;
