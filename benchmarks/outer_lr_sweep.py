@@ -1,7 +1,7 @@
 """Sweep of the nesterov outer learning rate (``fed_outer_lr``) at H = 8, tokens-matched, no network shaping.
 
 FL+FSDP, 2 groups × 2 ranks on this machine (plain `torchrun --standalone`, no namespaces: only the loss matters
-here), the benchmark's data, model and hyperparameters (benchmarks/two_tier.py), one run per outer learning rate
+here), the benchmark's data, model and hyperparameters (benchmarks/harness/methods.py), one run per outer learning rate
 with ``fed_outer_optimizer=nesterov`` (momentum 0.9) plus FedAvg as the reference; every run reads the same tokens.
 
     python benchmarks/outer_lr_sweep.py                      # lr 0.3 0.5 0.7 1.0 and FedAvg, 48 steps (~5 min)

@@ -14,7 +14,7 @@ Two times are divided by (bytes node 0's uplink sent ÷ link rate): the *exchang
 for overlapped exchanges to finish (``fed_sync_wait_seconds_total``, the issue's target), and the *callback time*,
 the training loop's whole time inside the averaging callback (snapshots, divergence checks, norms, outer steps,
 and for blocking averaging the exchange itself). For blocking FL+FSDP the per-averaging ratio of
-benchmarks/two_tier.py is printed beside them. ``--report-only results.json`` rewrites the tables of a finished
+benchmarks/tiers.py is printed beside them. ``--report-only results.json`` rewrites the tables of a finished
 run without running anything.
 
     python benchmarks/overlap.py            # 3 repetitions, tiny, 32 steps, H = 8
@@ -79,7 +79,7 @@ def markdown(results: dict) -> str:
         f"{results['repeats']} interleaved repetitions. Exchange wait: seconds rank 0 waited for overlapped "
         "exchanges ÷ (bytes node 0's uplink sent ÷ link rate); callback time: the loop's whole time in the averaging "
         "callback, over the same; blocking ratio: an averaging's time ÷ its bytes ÷ rate, as in "
-        "benchmarks/two_tier.py. Predicted s/step: the cost model with the ideal's step as compute.",
+        "benchmarks/tiers.py. Predicted s/step: the cost model with the ideal's step as compute.",
         "",
         "| method | tokens/s | of ideal | predicted s/step | exchange wait ÷ (bytes ÷ rate) | callback time ÷ "
         "(bytes ÷ rate) | blocking averaging ratio | eval ppl, equal tokens |",

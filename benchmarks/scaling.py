@@ -2,7 +2,7 @@
 
 As the paper's scaling figure: speedup over FSDP against the number of nodes of the two-tier emulated cluster,
 the cost model's prediction beside each point, and each method's share of the ideal at the same scale. Every
-scale runs benchmarks/two_tier.py's ``benchmark()`` ``--repeats`` times (a fresh cluster each time, methods in
+scale runs benchmarks/harness/methods.py's ``benchmark()`` ``--repeats`` times (a fresh cluster each time, methods in
 the same order), so each figure is a median over repetitions printed with its range (min–max).
 
 All ranks share this machine's 2 cores, so per-rank compute slows as ranks are added while the link rate stays:

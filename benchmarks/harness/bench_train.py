@@ -1,6 +1,6 @@
-"""The benchmark's training script: one method of benchmarks/two_tier.py, on every rank of the emulated cluster.
+"""The benchmarks' training script: one method of a study, on every rank of the emulated cluster (or localhost).
 
-Launched by two_tier.py in each node's namespace (one launcher per node), e.g. FL+FSDP on 2 nodes × 2 ranks:
+Launched by harness/methods.py in each node's namespace (one launcher per node), e.g. FL+FSDP on 2 nodes × 2 ranks:
 
     ip netns exec fsb<pid>n<i> torchrun --nnodes 2 --nproc_per_node 2 --node_rank <i> --master_addr 10.213.0.1 \
         --master_port 29500 benchmarks/harness/bench_train.py --data_dir D --record_dir R --output_dir O \
@@ -42,7 +42,7 @@ UPLINK_STATS = Path(f"/sys/class/net/{UPLINK}/statistics")
 
 @dataclass
 class BenchArguments:
-    data_dir: str = field(metadata={"help": "Packed blocks and tokenizer written by two_tier.py (save_to_disk)."})
+    data_dir: str = field(metadata={"help": "Packed blocks and tokenizer written by methods.prepare_data."})
     record_dir: str = field(metadata={"help": "Folder for each rank's rank<R>.json."})
     model_size: str = field(default="tiny", metadata={"help": "Llama preset.", "choices": list(PRESETS)})
     no_averaging: bool = field(default=False, metadata={"help": "The ideal: drop the FedAvgCallback."})

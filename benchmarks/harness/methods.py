@@ -4,7 +4,7 @@ FSDP, HSDP, FL+FSDP, FL+HSDP, the ideal (FL+FSDP whose groups never average), Ac
 variants of ``report.VARIANTS``, each as bench_train.py arguments (`method_args`) on top of what every method
 shares (`shared_args`); `benchmark` builds the cluster a `BenchConfig` describes, runs the chosen methods one after
 the other with the real multi-node launcher, and returns every figure (`report.summarize`) with the machine's
-load around each method. Used by benchmarks/two_tier.py, scaling.py and overlap.py; quality.py and outer_lr_sweep.py
+load around each method. Used by benchmarks/tiers.py, scaling.py and overlap.py; quality.py and outer_lr_sweep.py
 take the data and shared arguments only.
 """
 

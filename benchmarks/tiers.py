@@ -3,10 +3,10 @@ cluster.
 
 As root, on one Linux machine (network namespaces, `tc`; see benchmarks/README.md):
 
-    python benchmarks/two_tier.py --quick            # 2 nodes × 2 ranks: FSDP, HSDP, FL+FSDP, ideal (< 5 min)
-    python benchmarks/two_tier.py --update-readme    # 4 nodes × 2 ranks: all six methods; table into the README
-    python benchmarks/two_tier.py --quick --rate-mbit 1000 --out /tmp/bench
-    python benchmarks/two_tier.py --topology three-tier   # 2 racks × 2 nodes × 2 ranks, 1 Gbit/s in a rack,
+    python benchmarks/tiers.py --quick            # 2 nodes × 2 ranks: FSDP, HSDP, FL+FSDP, ideal (< 5 min)
+    python benchmarks/tiers.py --update-readme    # 4 nodes × 2 ranks: all six methods; table into the README
+    python benchmarks/tiers.py --quick --rate-mbit 1000 --out /tmp/bench
+    python benchmarks/tiers.py --topology three-tier   # 2 racks × 2 nodes × 2 ranks, 1 Gbit/s in a rack,
                                                           # 100 Mbit/s between racks; FL+HSDP groups = racks
 
 Each method runs benchmarks/harness/bench_train.py with the real multi-node launcher,
@@ -109,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "benchmarks" / "results" / (
         f"three_tier_{mode}" if args.topology == "three-tier" else mode
     )
-    with exclusive_cores("benchmarks/two_tier.py"), tempfile.TemporaryDirectory(prefix="fedshard-bench-") as tmp:
+    with exclusive_cores("benchmarks/tiers.py"), tempfile.TemporaryDirectory(prefix="fedshard-bench-") as tmp:
         quiet = wait_until_quiet(args.wait_quiet_s) if args.wait_quiet_s > 0 else None
         results = benchmark(cfg, args.work or Path(tmp), args.data_cache, quiet)
-    results["command"] = shlex.join(["python", "benchmarks/two_tier.py", *sys.argv[1:]])
+    results["command"] = shlex.join(["python", "benchmarks/tiers.py", *sys.argv[1:]])
     report.write(results, out)
     print(report.markdown(results))
     if args.update_readme:
