@@ -5,7 +5,7 @@
 Each collective runs over the whole world of 4 ranks (2 per node); the bytes node 0's uplink sent are compared
 with a ring's (hf_fedshard.cost): the ring 0-1-2-3 crosses between nodes twice, so each node sends one hop.
 The reduce-scatter result is why the cost model has a ``GLOO`` reduce-scatter: it costs an all-reduce.
-Results go to benchmarks/results/gloo_collectives.json.
+Results go to benchmarks/results/gloo_collectives_full/results.json.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def worker(out: Path) -> None:
 def main() -> None:
     import tempfile
 
+    from benchmarks.harness import results_folder
     from benchmarks.harness.netns import Cluster, handle_termination
     from hf_fedshard.cost import GLOO, RING, ring_hop_bytes
 
@@ -80,7 +81,7 @@ def main() -> None:
         for name in COLLECTIVES
     }
     result = {"payload_bytes": payload, "world": "2 nodes × 2 ranks", "gloo_reduce_scatter_factor": GLOO, **rows}
-    out = REPO / "benchmarks" / "results" / "gloo_collectives.json"
+    out = results_folder("gloo_collectives") / "results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{'collective':<24} {'node 0 sent (MB)':>17} {'ring hop (MB)':>14} {'measured/ring':>14} {'s':>6}")

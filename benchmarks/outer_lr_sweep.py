@@ -8,7 +8,7 @@ with ``fed_outer_optimizer=nesterov`` (momentum 0.9) plus FedAvg as the referenc
     python benchmarks/outer_lr_sweep.py --lrs 0.7 --steps 16 --out /tmp/sweep
 
 Writes ``results.json`` (every evaluation of every run), ``results.md`` and ``perplexity_vs_tokens.png`` into
-``--out`` (default benchmarks/results/outer_lr_sweep/).
+``--out`` (default benchmarks/results/outer_lr_sweep_full/).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
-from benchmarks.harness import TRAIN_SCRIPT  # noqa: E402
+from benchmarks.harness import TRAIN_SCRIPT, results_folder  # noqa: E402
 from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
 from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data, shared_args  # noqa: E402
 from benchmarks.harness.report import run_record, write_study  # noqa: E402
@@ -104,7 +104,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-steps", type=int, default=8, help="H.")
     p.add_argument("--eval-steps", type=int, default=8, help="Evaluate every this many steps.")
     p.add_argument("--model-size", default="tiny")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "outer_lr_sweep")
+    p.add_argument("--out", type=Path, default=results_folder("outer_lr_sweep"), help="Results folder.")
     p.add_argument("--data-cache", type=Path, default=DATA_CACHE)
     return p
 

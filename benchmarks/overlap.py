@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import results_folder  # noqa: E402
 from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
 from benchmarks.harness.methods import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
 from benchmarks.harness.report import (  # noqa: E402
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         else 64,
     )  # fmt: skip
     cfg.validate()
-    out = args.out or REPO / "benchmarks" / "results" / ("overlap_quick" if args.quick else "overlap_full")
+    out = args.out or results_folder("overlap", args.quick)
     repeats = args.repeats or (1 if args.quick else 3)
     runs = []
     with exclusive_cores("benchmarks/overlap.py"), tempfile.TemporaryDirectory(prefix="fedshard-overlap-") as tmp:

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
-from benchmarks.harness import TRAIN_SCRIPT  # noqa: E402
+from benchmarks.harness import TRAIN_SCRIPT, results_folder  # noqa: E402
 from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
 from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data  # noqa: E402
 from benchmarks.harness.report import run_record, run_record_lines, write_study  # noqa: E402
@@ -232,7 +232,7 @@ def config_from_args(args: argparse.Namespace) -> QualityConfig:
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     cfg = config_from_args(args)
-    out = args.out or REPO / "benchmarks" / "results" / ("quality_quick" if args.quick else "quality_full")
+    out = args.out or results_folder("quality", args.quick)
     data = prepare_data(BenchConfig(block_size=cfg.block_size, eval_samples=cfg.eval_samples), args.data_cache)
     with exclusive_cores("benchmarks/quality.py"), tempfile.TemporaryDirectory(prefix="fedshard-quality-") as tmp:
         started = time.time()  # after the lock: the record's wall time is the study's own

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import results_folder  # noqa: E402
 from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
 from benchmarks.harness.methods import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
 from benchmarks.harness.report import (  # noqa: E402
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     scales = tuple(args.nodes or ((2,) if quick else (2, 4, 8)))
     for nodes in scales:
         replace(base, nodes=nodes, methods=methods_at(nodes, base.methods)).validate()
-    out = args.out or REPO / "benchmarks" / "results" / ("scaling_quick" if quick else "scaling_full")
+    out = args.out or results_folder("scaling", quick)
     with exclusive_cores("benchmarks/scaling.py"), tempfile.TemporaryDirectory(prefix="fedshard-scaling-") as tmp:
         started = time.time()  # after the lock: the record's wall time is the study's own
         results = study(base, scales, args.repeats, Path(tmp), args.data_cache)

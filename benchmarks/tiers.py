@@ -11,7 +11,8 @@ As root, on one Linux machine (network namespaces, `tc`; see benchmarks/README.m
 
 Each method runs benchmarks/harness/bench_train.py with the real multi-node launcher,
 `torchrun --nnodes N --node_rank i`, one launcher per node namespace, rendezvous on node 0's address. Results (JSON
-with every figure, a Markdown table, PNG plots) go to ``--out`` (default benchmarks/results/<quick|full>/).
+with every figure, a Markdown table, PNG plots) go to ``--out`` (default
+benchmarks/results/tiers_<quick|full>[_three_tier]/).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
-from benchmarks.harness import report  # noqa: E402
+from benchmarks.harness import report, results_folder  # noqa: E402
 from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
 from benchmarks.harness.methods import (  # noqa: E402
     DATA_CACHE,
@@ -69,7 +70,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4, help="Per-device batch (blocks of 128 tokens).")
     p.add_argument("--max-train-lines", type=int, help="Train on this many lines of the text only (tests).")
     p.add_argument("--timeout-s", type=float, default=600.0, help="Bound on each method's run.")
-    p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/<quick|full>).")
+    p.add_argument(
+        "--out", type=Path, help="Results folder (default benchmarks/results/tiers_<quick|full>[_three_tier])."
+    )
     p.add_argument("--work", type=Path, help="Scratch folder for logs and records (default: a temporary one).")
     p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
     p.add_argument("--wait-quiet-s", type=float, default=0.0, help="First wait up to this long for a quiet machine.")
@@ -105,10 +108,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     cfg = config_from_args(args)
-    mode = "quick" if args.quick else "full"
-    out = args.out or REPO / "benchmarks" / "results" / (
-        f"three_tier_{mode}" if args.topology == "three-tier" else mode
-    )
+    out = args.out or results_folder("tiers", args.quick, "three_tier" if args.topology == "three-tier" else None)
     with exclusive_cores("benchmarks/tiers.py"), tempfile.TemporaryDirectory(prefix="fedshard-bench-") as tmp:
         quiet = wait_until_quiet(args.wait_quiet_s) if args.wait_quiet_s > 0 else None
         results = benchmark(cfg, args.work or Path(tmp), args.data_cache, quiet)

@@ -4,11 +4,15 @@ rule, the three-tier report's predictions and targets, and the overlap targets o
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
 from benchmarks import overlap, quality, scaling
+from benchmarks.harness import RESULTS, results_folder
 from benchmarks.harness.report import predicted, targets
+
+from .launch import REPO
 
 
 def test_quality_runs_hold_tokens_and_per_device_batch_fixed():
@@ -118,3 +122,11 @@ def test_overlap_study_targets_are_taken_on_the_medians():
     assert "| FL+FSDP stream | 96 (90–97) |" in overlap.markdown(
         {"config": {"nodes": 4, "ranks_per_node": 2, "rate_mbit": 100, "model_size": "tiny", "steps": 32,
                     "sync_steps": 8}, "repeats": 3, "summary": summary})  # fmt: skip
+
+
+def test_results_folders_are_named_one_way():
+    assert results_folder("tiers", quick=True, variant="three_tier") == RESULTS / "tiers_quick_three_tier"
+    studies = sorted({p.stem for p in (REPO / "benchmarks").glob("*.py")} - {"__init__"})
+    scheme = re.compile(rf"({'|'.join(studies)})_(quick|full)(_[a-z0-9_]+)?")
+    for folder in RESULTS.iterdir():
+        assert folder.is_dir() and scheme.fullmatch(folder.name), f"{folder.name}: not <study>_<quick|full>[_<variant>]"
