@@ -10,6 +10,7 @@ Results go to benchmarks/results/gloo_collectives_full/results.json.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -90,8 +91,15 @@ def main() -> None:
               f"{row['measured_over_ring']:14.3f} {row['seconds']:6.2f}")  # fmt: skip
 
 
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # on each rank, under torchrun: where to write
+    return p
+
+
 if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        worker(Path(sys.argv[sys.argv.index("--worker") + 1]))
+    args = make_parser().parse_args()
+    if args.worker:
+        worker(args.worker)
     else:
         main()
