@@ -4,10 +4,10 @@ cluster.
 As root, on one Linux machine (network namespaces, `tc`; see benchmarks/README.md):
 
     python benchmarks/tiers.py --quick            # 2 nodes × 2 ranks: FSDP, HSDP, FL+FSDP, ideal (< 5 min)
-    python benchmarks/tiers.py --update-readme    # 4 nodes × 2 ranks: all six methods; table into the README
+    python benchmarks/tiers.py --update-readme    # 4 nodes × 2 ranks: every method and variant; README table
     python benchmarks/tiers.py --quick --rate-mbit 1000 --out /tmp/bench
     python benchmarks/tiers.py --topology three-tier   # 2 racks × 2 nodes × 2 ranks, 1 Gbit/s in a rack,
-                                                          # 100 Mbit/s between racks; FL+HSDP groups = racks
+                                                       # 100 Mbit/s between racks; FL+HSDP groups = racks
 
 Each method runs benchmarks/harness/bench_train.py with the real multi-node launcher,
 `torchrun --nnodes N --node_rank i`, one launcher per node namespace, rendezvous on node 0's address. Results (JSON
