@@ -5,11 +5,12 @@
 Each collective runs over the whole world of 4 ranks (2 per node); the bytes node 0's uplink sent are compared
 with a ring's (hf_fedshard.cost): the ring 0-1-2-3 crosses between nodes twice, so each node sends one hop.
 The reduce-scatter result is why the cost model has a ``GLOO`` reduce-scatter: it costs an all-reduce.
-Results go to benchmarks/results/gloo_collectives.json.
+Results go to benchmarks/results/gloo_collectives_full/results.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -29,7 +30,7 @@ def worker(out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.bench_train import uplink_bytes
+    from benchmarks.harness.bench_train import uplink_bytes
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -59,7 +60,8 @@ def worker(out: Path) -> None:
 def main() -> None:
     import tempfile
 
-    from benchmarks.netns import Cluster, handle_termination
+    from benchmarks.harness import results_folder
+    from benchmarks.harness.netns import Cluster, handle_termination
     from hf_fedshard.cost import GLOO, RING, ring_hop_bytes
 
     payload = NUMEL * 4
@@ -80,7 +82,7 @@ def main() -> None:
         for name in COLLECTIVES
     }
     result = {"payload_bytes": payload, "world": "2 nodes × 2 ranks", "gloo_reduce_scatter_factor": GLOO, **rows}
-    out = REPO / "benchmarks" / "results" / "gloo_collectives.json"
+    out = results_folder("gloo_collectives") / "results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{'collective':<24} {'node 0 sent (MB)':>17} {'ring hop (MB)':>14} {'measured/ring':>14} {'s':>6}")
@@ -89,8 +91,15 @@ def main() -> None:
               f"{row['measured_over_ring']:14.3f} {row['seconds']:6.2f}")  # fmt: skip
 
 
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # on each rank, under torchrun: where to write
+    return p
+
+
 if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        worker(Path(sys.argv[sys.argv.index("--worker") + 1]))
+    args = make_parser().parse_args()
+    if args.worker:
+        worker(args.worker)
     else:
         main()

@@ -1,14 +1,14 @@
 """Sweep of the nesterov outer learning rate (``fed_outer_lr``) at H = 8, tokens-matched, no network shaping.
 
 FL+FSDP, 2 groups × 2 ranks on this machine (plain `torchrun --standalone`, no namespaces: only the loss matters
-here), the benchmark's data, model and hyperparameters (benchmarks/two_tier.py), one run per outer learning rate
+here), the benchmark's data, model and hyperparameters (benchmarks/harness/methods.py), one run per outer learning rate
 with ``fed_outer_optimizer=nesterov`` (momentum 0.9) plus FedAvg as the reference; every run reads the same tokens.
 
     python benchmarks/outer_lr_sweep.py                      # lr 0.3 0.5 0.7 1.0 and FedAvg, 48 steps (~5 min)
     python benchmarks/outer_lr_sweep.py --lrs 0.7 --steps 16 --out /tmp/sweep
 
 Writes ``results.json`` (every evaluation of every run), ``results.md`` and ``perplexity_vs_tokens.png`` into
-``--out`` (default benchmarks/results/outer_lr_sweep/).
+``--out`` (default benchmarks/results/outer_lr_sweep_full/).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
-from benchmarks.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.report import run_record, write_study  # noqa: E402
-from benchmarks.two_tier import DATA_CACHE, BenchConfig, prepare_data, shared_args  # noqa: E402
+from benchmarks.harness import TRAIN_SCRIPT, results_folder  # noqa: E402
+from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data, shared_args  # noqa: E402
+from benchmarks.harness.report import run_record, write_study  # noqa: E402
 
 GROUPS, RANKS_PER_GROUP = 2, 2
 CONFIG_FIELDS = ("model_size", "steps", "sync_steps", "eval_steps", "batch_size", "block_size", "learning_rate", "seed")
@@ -45,7 +46,7 @@ def train(label: str, args: list[str], cfg: BenchConfig, data: Path, work: Path)
     """One run on 4 local ranks; rank 0's evaluations (step, eval_loss)."""
     run_dir = work / label
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.world_size}",
-           str(REPO / "benchmarks" / "bench_train.py"), "--data_dir", str(data), "--record_dir", str(run_dir / "rec"),
+           str(TRAIN_SCRIPT), "--data_dir", str(data), "--record_dir", str(run_dir / "rec"),
            "--output_dir", str(run_dir / "out"), *shared_args(cfg), *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
@@ -103,7 +104,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-steps", type=int, default=8, help="H.")
     p.add_argument("--eval-steps", type=int, default=8, help="Evaluate every this many steps.")
     p.add_argument("--model-size", default="tiny")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "outer_lr_sweep")
+    p.add_argument("--out", type=Path, default=results_folder("outer_lr_sweep"), help="Results folder.")
     p.add_argument("--data-cache", type=Path, default=DATA_CACHE)
     return p
 

@@ -38,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
-from benchmarks.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness import results_folder  # noqa: E402
+from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
 
 METHODS = ("fedshard", "trainer", "handwritten")
 PHASES = ("data", "forward", "backward", "optimizer", "averaging", "other")
@@ -323,13 +324,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--logging-steps", type=int, default=10, help="logging_steps of every method")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--timeout-s", type=float, default=600)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "overhead")
+    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results/overhead_<quick|full>)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--record", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--num-samples", type=int, default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
+    opts.out = opts.out or results_folder("overhead", opts.quick)
     opts.reps = opts.reps or (2 if opts.quick else 3)
     opts.steps = opts.steps or (24 if opts.quick else 48)
     opts.model_size = opts.model_size or ("micro" if opts.quick else "tiny")

@@ -2,7 +2,7 @@
 
 On the two-tier emulated cluster (4 nodes × 2 ranks, 100 Mbit/s links), each repetition runs every method once
 in the same order, so a drift in the machine's load hits every method of a repetition alike; every figure is
-the median over repetitions with its range. Methods (benchmarks/report.py's VARIANTS):
+the median over repetitions with its range. Methods (benchmarks/harness/report.py's VARIANTS):
 
 - FL+FSDP: blocking fp32 FedAvg every H steps (the paper's algorithm);
 - FL+FSDP overlap: the whole model's exchange runs behind τ = 1 step;
@@ -14,7 +14,7 @@ Two times are divided by (bytes node 0's uplink sent ÷ link rate): the *exchang
 for overlapped exchanges to finish (``fed_sync_wait_seconds_total``, the issue's target), and the *callback time*,
 the training loop's whole time inside the averaging callback (snapshots, divergence checks, norms, outer steps,
 and for blocking averaging the exchange itself). For blocking FL+FSDP the per-averaging ratio of
-benchmarks/two_tier.py is printed beside them. ``--report-only results.json`` rewrites the tables of a finished
+benchmarks/tiers.py is printed beside them. ``--report-only results.json`` rewrites the tables of a finished
 run without running anything.
 
     python benchmarks/overlap.py            # 3 repetitions, tiny, 32 steps, H = 8
@@ -37,8 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
-from benchmarks.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.report import (  # noqa: E402
+from benchmarks.harness import results_folder  # noqa: E402
+from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
+from benchmarks.harness.report import (  # noqa: E402
     judge,
     median_range,
     overlap_targets,
@@ -47,7 +49,6 @@ from benchmarks.report import (  # noqa: E402
     spread,
     write_study,
 )
-from benchmarks.two_tier import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
 
 METHODS = ("FL+FSDP", "FL+FSDP overlap", "FL+FSDP stream", "FL+FSDP stream int8", "ideal", "LocalSGD")
 FIGURES = ("tokens_per_s", "fraction_of_ideal", "exchange_wait_ratio", "loop_wait_ratio", "averaging_ratio_median",
@@ -79,7 +80,7 @@ def markdown(results: dict) -> str:
         f"{results['repeats']} interleaved repetitions. Exchange wait: seconds rank 0 waited for overlapped "
         "exchanges ÷ (bytes node 0's uplink sent ÷ link rate); callback time: the loop's whole time in the averaging "
         "callback, over the same; blocking ratio: an averaging's time ÷ its bytes ÷ rate, as in "
-        "benchmarks/two_tier.py. Predicted s/step: the cost model with the ideal's step as compute.",
+        "benchmarks/tiers.py. Predicted s/step: the cost model with the ideal's step as compute.",
         "",
         "| method | tokens/s | of ideal | predicted s/step | exchange wait ÷ (bytes ÷ rate) | callback time ÷ "
         "(bytes ÷ rate) | blocking averaging ratio | eval ppl, equal tokens |",
@@ -129,14 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         else 64,
     )  # fmt: skip
     cfg.validate()
-    out = args.out or REPO / "benchmarks" / "results" / ("overlap_quick" if args.quick else "overlap_full")
+    out = args.out or results_folder("overlap", args.quick)
     repeats = args.repeats or (1 if args.quick else 3)
     runs = []
     with exclusive_cores("benchmarks/overlap.py"), tempfile.TemporaryDirectory(prefix="fedshard-overlap-") as tmp:
         started = time.time()  # after the lock: the record's wall time is the study's own
         for rep in range(repeats):
             print(f"repetition {rep + 1}/{repeats}", flush=True)
-            runs.append(benchmark(cfg, Path(tmp) / f"r{rep}" / "out", Path(tmp) / f"r{rep}", args.data_cache))
+            runs.append(benchmark(cfg, Path(tmp) / f"r{rep}", args.data_cache))
     results = {"config": asdict(cfg), "repeats": repeats, "summary": combine(runs, cfg.methods), "runs": runs}
     results.update(run_record("benchmarks/overlap.py", sys.argv[1:] if argv is None else argv, started))
     print(write_study(out, results, markdown))

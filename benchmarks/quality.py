@@ -37,9 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
-from benchmarks.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.report import run_record, run_record_lines, write_study  # noqa: E402
-from benchmarks.two_tier import DATA_CACHE, BenchConfig, prepare_data  # noqa: E402
+from benchmarks.harness import TRAIN_SCRIPT, results_folder  # noqa: E402
+from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data  # noqa: E402
+from benchmarks.harness.report import run_record, run_record_lines, write_study  # noqa: E402
 
 VARIANTS = ("FSDP", "FSDP √-lr", "FL+FSDP")
 
@@ -117,7 +118,7 @@ def run_one(cfg: QualityConfig, variant: str, world: int, seed: int, data: Path,
     run_dir = work / f"{variant.replace(' ', '_').replace('+', '_').replace('√', 'sqrt')}-w{world}-s{seed}"
     nproc, args = run_args(cfg, variant, world, seed)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / "benchmarks" / "bench_train.py"), "--data_dir", str(data), "--record_dir",
+           str(TRAIN_SCRIPT), "--data_dir", str(data), "--record_dir",
            str(run_dir / "records"), "--output_dir", str(run_dir / "out"), *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
@@ -231,7 +232,7 @@ def config_from_args(args: argparse.Namespace) -> QualityConfig:
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     cfg = config_from_args(args)
-    out = args.out or REPO / "benchmarks" / "results" / ("quality_quick" if args.quick else "quality_full")
+    out = args.out or results_folder("quality", args.quick)
     data = prepare_data(BenchConfig(block_size=cfg.block_size, eval_samples=cfg.eval_samples), args.data_cache)
     with exclusive_cores("benchmarks/quality.py"), tempfile.TemporaryDirectory(prefix="fedshard-quality-") as tmp:
         started = time.time()  # after the lock: the record's wall time is the study's own

@@ -2,7 +2,7 @@
 
 As the paper's scaling figure: speedup over FSDP against the number of nodes of the two-tier emulated cluster,
 the cost model's prediction beside each point, and each method's share of the ideal at the same scale. Every
-scale runs benchmarks/two_tier.py's ``benchmark()`` ``--repeats`` times (a fresh cluster each time, methods in
+scale runs benchmarks/harness/methods.py's ``benchmark()`` ``--repeats`` times (a fresh cluster each time, methods in
 the same order), so each figure is a median over repetitions printed with its range (min–max).
 
 All ranks share this machine's 2 cores, so per-rank compute slows as ranks are added while the link rate stays:
@@ -33,8 +33,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
     sys.path.insert(0, str(REPO))
 
-from benchmarks.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.report import (  # noqa: E402
+from benchmarks.harness import results_folder  # noqa: E402
+from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
+from benchmarks.harness.report import (  # noqa: E402
     layout_of,
     median_range,
     run_record,
@@ -42,7 +44,6 @@ from benchmarks.report import (  # noqa: E402
     spread,
     write_study,
 )
-from benchmarks.two_tier import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
 from hf_fedshard.cost import model_state_bytes_per_rank  # noqa: E402
 
 METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal")
@@ -80,7 +81,7 @@ def study(base: BenchConfig, scales: tuple[int, ...], repeats: int, work: Path, 
         runs = []
         for rep in range(repeats):
             print(f"{nodes} nodes, repetition {rep + 1}/{repeats}", flush=True)
-            runs.append(benchmark(cfg, work / f"n{nodes}r{rep}" / "out", work / f"n{nodes}r{rep}", data_cache))
+            runs.append(benchmark(cfg, work / f"n{nodes}r{rep}", data_cache))
         raw[nodes] = runs
         points[nodes] = {m: point(runs, m, asdict(cfg)) for m in cfg.methods}
     return {"config": asdict(base), "scales": list(scales), "repeats": repeats, "points": points, "runs": raw}
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     scales = tuple(args.nodes or ((2,) if quick else (2, 4, 8)))
     for nodes in scales:
         replace(base, nodes=nodes, methods=methods_at(nodes, base.methods)).validate()
-    out = args.out or REPO / "benchmarks" / "results" / ("scaling_quick" if quick else "scaling_full")
+    out = args.out or results_folder("scaling", quick)
     with exclusive_cores("benchmarks/scaling.py"), tempfile.TemporaryDirectory(prefix="fedshard-scaling-") as tmp:
         started = time.time()  # after the lock: the record's wall time is the study's own
         results = study(base, scales, args.repeats, Path(tmp), args.data_cache)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from benchmarks.netns import RACK_NETNS_ENV, Cluster, list_namespaces
+from benchmarks.harness.netns import RACK_NETNS_ENV, Cluster, list_namespaces
 
 from .launch import REPO
 
@@ -99,7 +99,7 @@ def test_timeout_and_exception_leave_nothing(tmp_path):
 HARNESS = """
 import sys, time
 from pathlib import Path
-from benchmarks.netns import Cluster, handle_termination
+from benchmarks.harness.netns import Cluster, handle_termination
 with handle_termination(), Cluster(4, racks=2, rack_rate_mbit=100) as cluster:
     sleeper = cluster.launch(0, ["sleep", "120"], {}, Path(sys.argv[1]))
     print("ready", sleeper.pid, flush=True)

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from benchmarks.netns import list_namespaces
-from benchmarks.report import perplexity_at, variant_targets, window_throughputs
-from benchmarks.two_tier import BenchConfig, method_args
+from benchmarks.harness.methods import BenchConfig, method_args
+from benchmarks.harness.netns import list_namespaces
+from benchmarks.harness.report import perplexity_at, variant_targets, window_throughputs
 
 from .launch import REPO
 
@@ -63,7 +63,7 @@ def test_variant_targets_compare_bytes_with_fp32_and_the_model():
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="network namespaces need root")
 def test_tiny_benchmark_writes_every_figure(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "benchmarks/two_tier.py", "--nodes", "2", "--ranks-per-node", "1",
+    cmd = [sys.executable, "benchmarks/tiers.py", "--nodes", "2", "--ranks-per-node", "1",
            "--methods", "FSDP", "FL+FSDP", "ideal", "LocalSGD", "--steps", "4", "--sync-steps", "2",
            "--eval-steps", "4", "--model-size", "micro", "--max-train-lines", "3000", "--timeout-s", "240",
            "--out", str(out), "--work", str(tmp_path), "--data-cache", str(tmp_path)]  # fmt: skip

@@ -4,11 +4,20 @@ rule, the three-tier report's predictions and targets, and the overlap targets o
 from __future__ import annotations
 
 import math
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks import overlap, quality, scaling
-from benchmarks.report import predicted, targets
+from benchmarks.harness import RESULTS, results_folder
+from benchmarks.harness.report import predicted, targets
+
+from .launch import REPO
+
+STUDIES = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem != "__init__")  # what a user runs
 
 
 def test_quality_runs_hold_tokens_and_per_device_batch_fixed():
@@ -57,11 +66,13 @@ def test_scaling_spread_and_methods_per_scale():
     assert scaling.methods_at(4, scaling.METHODS) == scaling.METHODS
 
 
-@pytest.mark.parametrize("main", [quality.make_parser, scaling.make_parser, overlap.make_parser])
-def test_study_help(main, capsys):
-    with pytest.raises(SystemExit):
-        main().parse_args(["--help"])
-    assert "--quick" in capsys.readouterr().out
+@pytest.mark.slow  # a subprocess per study: about 8 s each here
+@pytest.mark.parametrize("study", STUDIES)
+def test_study_help(study):
+    """Every study a user runs answers --help as a script (its imports resolve; nothing runs)."""
+    cmd, env = [sys.executable, f"benchmarks/{study}.py", "--help"], {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-2000:]
 
 
 THREE_TIER = {"nodes": 4, "ranks_per_node": 2, "racks": 2, "rate_mbit": 1000.0, "rack_rate_mbit": 100.0,
@@ -118,3 +129,10 @@ def test_overlap_study_targets_are_taken_on_the_medians():
     assert "| FL+FSDP stream | 96 (90–97) |" in overlap.markdown(
         {"config": {"nodes": 4, "ranks_per_node": 2, "rate_mbit": 100, "model_size": "tiny", "steps": 32,
                     "sync_steps": 8}, "repeats": 3, "summary": summary})  # fmt: skip
+
+
+def test_results_folders_are_named_one_way():
+    assert results_folder("tiers", quick=True, variant="three_tier") == RESULTS / "tiers_quick_three_tier"
+    scheme = re.compile(rf"({'|'.join(STUDIES)})_(quick|full)(_[a-z0-9_]+)?")
+    for folder in RESULTS.iterdir():
+        assert folder.is_dir() and scheme.fullmatch(folder.name), f"{folder.name}: not <study>_<quick|full>[_<variant>]"

@@ -8,7 +8,7 @@ Launched by the tests with torchrun (gloo, CPU); also measures the SFT path's in
 ``--trainer plain`` runs `trl.SFTTrainer` itself (DDP on CPU) on the same data. Every sample has the same length
 and no padding, so every rank trains on equally many tokens. Each rank writes ``rank{R}.pt``: log history, eval
 metrics, full and local parameters at the end, the initial parameters, and the bytes it handed to collectives
-spanning several federation groups at each optimizer step (``benchmarks.collective_bytes``).
+spanning several federation groups at each optimizer step (``benchmarks.harness.collective_bytes``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from train_tiny import SEQ_LEN, VOCAB, full_tensor, tiny_llama  # this folder is
 from transformers import HfArgumentParser, PreTrainedTokenizerFast
 from trl import SFTTrainer
 
-from benchmarks.collective_bytes import CrossGroupBytes  # the launcher puts the checkout on PYTHONPATH
+from benchmarks.harness.collective_bytes import CrossGroupBytes  # the launcher puts the checkout on PYTHONPATH
 from hf_fedshard.mesh import destroy_gloo_groups_at_exit
 from hf_fedshard.trl import FedShardSFTConfig, FedShardSFTTrainer
 

@@ -342,7 +342,7 @@ def markdown(results: dict) -> str:
     machine = results.get("machine")
     if machine:
         load = machine["before"]["loadavg_1_5_15"]
-        command = results.get("command", "two_tier.py")
+        command = results.get("command", "tiers.py")
         lines += ["", f"Figures from one run of `{command}`, started {machine['started']}, "
                       f"{machine['wall_s']} s in all; load average before it "
                       f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) on {machine['before']['cpus']} "
@@ -404,7 +404,7 @@ def write(results: dict, out: Path) -> None:
 
 def update_readme(results: dict, out: Path, readme: Path, block: str = "results") -> None:
     """Replace the README's ``block`` block (``results``: two tiers, ``three-tier``) by this run's tables and plots."""
-    begin, end = f"<!-- {block}:begin (written by two_tier.py --update-readme) -->", f"<!-- {block}:end -->"
+    begin, end = f"<!-- {block}:begin (written by tiers.py --update-readme) -->", f"<!-- {block}:end -->"
     rel = out.relative_to(readme.parent)
     text = "\n".join([begin, markdown(results), "", f"![throughput]({rel}/throughput.png)",
                        f"![eval perplexity against training time]({rel}/perplexity_vs_time.png)", end])  # fmt: skip

@@ -1,52 +1,31 @@
-"""FSDP vs HSDP vs FL+FSDP vs FL+HSDP (and the ideal, and Accelerate's LocalSGD) on an emulated two- or three-tier
-cluster.
+"""The methods the cluster studies compare, and one run of them on a fresh emulated cluster.
 
-As root, on one Linux machine (network namespaces, `tc`; see benchmarks/README.md):
-
-    python benchmarks/two_tier.py --quick            # 2 nodes × 2 ranks: FSDP, HSDP, FL+FSDP, ideal (< 5 min)
-    python benchmarks/two_tier.py --update-readme    # 4 nodes × 2 ranks: all six methods; table into the README
-    python benchmarks/two_tier.py --quick --rate-mbit 1000 --out /tmp/bench
-    python benchmarks/two_tier.py --topology three-tier   # 2 racks × 2 nodes × 2 ranks, 1 Gbit/s in a rack,
-                                                          # 100 Mbit/s between racks; FL+HSDP groups = racks
-
-Each method runs benchmarks/bench_train.py with the real multi-node launcher, `torchrun --nnodes N --node_rank i`,
-one launcher per node namespace, rendezvous on node 0's address. Results (JSON with every figure, a Markdown
-table, PNG plots) go to ``--out`` (default benchmarks/results/<quick|full>/).
+FSDP, HSDP, FL+FSDP, FL+HSDP, the ideal (FL+FSDP whose groups never average), Accelerate's LocalSGD and the
+variants of ``report.VARIANTS``, each as bench_train.py arguments (`method_args`) on top of what every method
+shares (`shared_args`); `benchmark` builds the cluster a `BenchConfig` describes, runs the chosen methods one after
+the other with the real multi-node launcher, and returns every figure (`report.summarize`) with the machine's
+load around each method. Used by benchmarks/tiers.py, scaling.py and overlap.py; quality.py and outer_lr_sweep.py
+take the data and shared arguments only.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
-import shlex
 import shutil
 import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
-    sys.path.insert(0, str(REPO))
+from benchmarks.harness import TRAIN_SCRIPT, report
+from benchmarks.harness.netns import Cluster, handle_termination
+from benchmarks.harness.report import VARIANTS, base_method
 
-from benchmarks import report  # noqa: E402
-from benchmarks.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.netns import Cluster, handle_termination  # noqa: E402
-from benchmarks.report import VARIANTS, base_method  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[2]
 DATA_CACHE = Path.home() / ".cache" / "hf_fedshard" / "benchmark-data"
-QUICK_METHODS = ("FSDP", "HSDP", "FL+FSDP", "ideal")
 FULL_METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal", "LocalSGD", *VARIANTS)
-THREE_TIER_METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal")
-# Three-tier defaults: the slow tier keeps the two-tier benchmark's 100 Mbit/s, so the two compare; a rack's node
-# links are 10× faster, a tapered network in which a rack's uplink carries a tenth of what one node can send, as
-# a Dragonfly+ cell's global links carry less than the sum of its nodes' links. 1 Gbit/s is also about what one
-# shaped veth delivers here without the shaping itself taking the cores (TCP goodput measured 959 Mbit/s).
-THREE_TIER = {"racks": 2, "nodes": 4, "rate_mbit": 1000.0, "rack_rate_mbit": 100.0}
 
 
 @dataclass
@@ -182,7 +161,7 @@ def run_method(cluster: Cluster, name: str, cfg: BenchConfig, data: Path, work: 
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
     logs = [run_dir / f"node{node}.log" for node in range(cfg.nodes)]
     start = time.monotonic()
-    commands = cluster.torchrun_commands(cfg.ranks_per_node, port, [str(REPO / "benchmarks" / "bench_train.py"), *args])
+    commands = cluster.torchrun_commands(cfg.ranks_per_node, port, [str(TRAIN_SCRIPT), *args])
     codes = cluster.run(commands, env, logs, cfg.timeout_s)
     print(f"  {name}: exit codes {codes} in {time.monotonic() - start:.0f} s", flush=True)
     if any(codes):
@@ -231,8 +210,11 @@ def wait_until_quiet(max_wait_s: float, poll_s: float = 30.0, threshold: float =
         time.sleep(poll_s)
 
 
-def benchmark(cfg: BenchConfig, out: Path, work: Path, data_cache: Path, quiet: dict | None = None) -> dict:
-    """Build the cluster, run every method, and write the results; the cluster is removed whatever happens."""
+def benchmark(cfg: BenchConfig, work: Path, data_cache: Path, quiet: dict | None = None) -> dict:
+    """Build the cluster, run every method, and return every figure; the cluster is removed whatever happens.
+
+    The caller records its own command and writes the results (`report.write`) where it keeps them.
+    """
     cfg.validate()
     records, load_before, load_after_each = {}, machine_load(), {}
     started = time.time()
@@ -247,88 +229,7 @@ def benchmark(cfg: BenchConfig, out: Path, work: Path, data_cache: Path, quiet: 
             # The load average counts this method's own ranks; the CPU others used is what disturbed it.
             load_after_each[name] = {**machine_load(), **others_cpu(cpu, time.monotonic() - start)}
     results = report.summarize(records, asdict(cfg), link)
-    results["command"] = shlex.join(["python", "benchmarks/two_tier.py", *sys.argv[1:]])
     results["machine"] = {"before": load_before, "after_each_method": load_after_each, "quiet_wait": quiet,
                           "wall_s": round(time.time() - started),
                           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))}  # fmt: skip
-    report.write(results, out)
     return results
-
-
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="2 nodes × 2 ranks, FSDP/HSDP/FL+FSDP/ideal, 24 steps.")
-    p.add_argument(
-        "--topology",
-        choices=("two-tier", "three-tier"),
-        default="two-tier",
-        help="three-tier: racks of nodes under a core switch; defaults "
-        + ", ".join(f"{k} {v:g}" for k, v in THREE_TIER.items())
-        + "; FSDP, HSDP, FL+FSDP, FL+HSDP, ideal.",
-    )
-    p.add_argument("--nodes", type=int, help="Emulated nodes (default 4; 2 with --quick).")
-    p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--rate-mbit", type=float, help="Node link rate, Mbit/s each way (default 100; 1000 in racks).")
-    p.add_argument("--racks", type=int, help="Racks of nodes (three-tier only; default 2).")
-    p.add_argument("--rack-rate-mbit", type=float, help="Rack uplink rate, Mbit/s each way (three-tier; 100).")
-    p.add_argument("--methods", nargs="+", help=f"Subset of {', '.join(FULL_METHODS)}.")
-    p.add_argument("--steps", type=int, help="Optimizer steps per method (default 48; 24 with --quick).")
-    p.add_argument("--sync-steps", type=int, default=8, help="H for every method that averages.")
-    p.add_argument("--eval-steps", type=int, help="Evaluate every this many steps (default 16; 8 with --quick).")
-    p.add_argument("--model-size", default="tiny")
-    p.add_argument("--batch-size", type=int, default=4, help="Per-device batch (blocks of 128 tokens).")
-    p.add_argument("--max-train-lines", type=int, help="Train on this many lines of the text only (tests).")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="Bound on each method's run.")
-    p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/<quick|full>).")
-    p.add_argument("--work", type=Path, help="Scratch folder for logs and records (default: a temporary one).")
-    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
-    p.add_argument("--wait-quiet-s", type=float, default=0.0, help="First wait up to this long for a quiet machine.")
-    p.add_argument("--update-readme", action="store_true", help="Write the table into benchmarks/README.md.")
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    quick, three = args.quick, args.topology == "three-tier"
-    if not three and (args.racks or args.rack_rate_mbit):
-        raise ValueError("--racks and --rack-rate-mbit need --topology three-tier.")
-    default_methods = THREE_TIER_METHODS if three else (QUICK_METHODS if quick else FULL_METHODS)
-    cfg = BenchConfig(
-        nodes=args.nodes or (THREE_TIER["nodes"] if three else 2 if quick else 4),
-        ranks_per_node=args.ranks_per_node,
-        rate_mbit=args.rate_mbit or (THREE_TIER["rate_mbit"] if three else 100.0),
-        racks=(args.racks or THREE_TIER["racks"]) if three else 1,
-        rack_rate_mbit=(args.rack_rate_mbit or THREE_TIER["rack_rate_mbit"]) if three else None,
-        methods=tuple(args.methods or default_methods),
-        model_size=args.model_size,
-        batch_size=args.batch_size,
-        steps=args.steps or (24 if quick else 48),
-        sync_steps=args.sync_steps,
-        warmup_steps=args.sync_steps,
-        eval_steps=args.eval_steps or (8 if quick else 16),
-        max_train_lines=args.max_train_lines,
-        timeout_s=args.timeout_s,
-    )
-    cfg.validate()
-    return cfg
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
-    cfg = config_from_args(args)
-    mode = "quick" if args.quick else "full"
-    out = args.out or REPO / "benchmarks" / "results" / (
-        f"three_tier_{mode}" if args.topology == "three-tier" else mode
-    )
-    with exclusive_cores("benchmarks/two_tier.py"), tempfile.TemporaryDirectory(prefix="fedshard-bench-") as tmp:
-        quiet = wait_until_quiet(args.wait_quiet_s) if args.wait_quiet_s > 0 else None
-        results = benchmark(cfg, out, args.work or Path(tmp), args.data_cache, quiet)
-    print(report.markdown(results))
-    if args.update_readme:
-        report.update_readme(
-            results, out, REPO / "benchmarks" / "README.md", "three-tier" if cfg.racks > 1 else "results"
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

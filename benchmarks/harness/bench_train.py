@@ -1,9 +1,9 @@
-"""The benchmark's training script: one method of benchmarks/two_tier.py, on every rank of the emulated cluster.
+"""The benchmarks' training script: one method of a study, on every rank of the emulated cluster (or localhost).
 
-Launched by two_tier.py in each node's namespace (one launcher per node), e.g. FL+FSDP on 2 nodes × 2 ranks:
+Launched by harness/methods.py in each node's namespace (one launcher per node), e.g. FL+FSDP on 2 nodes × 2 ranks:
 
     ip netns exec fsb<pid>n<i> torchrun --nnodes 2 --nproc_per_node 2 --node_rank <i> --master_addr 10.213.0.1 \
-        --master_port 29500 benchmarks/bench_train.py --data_dir D --record_dir R --output_dir O \
+        --master_port 29500 benchmarks/harness/bench_train.py --data_dir D --record_dir R --output_dir O \
         --fed_group_size 2 --fed_sync_steps 8 ...
 
 Every method runs `FedShardTrainer` on the same packed data, model, per-device batch and hyperparameters; only
@@ -33,7 +33,7 @@ from accelerate.local_sgd import LocalSGD
 from datasets import disable_progress_bars, load_from_disk
 from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback, default_data_collator, set_seed
 
-from benchmarks.netns import RACK_NETNS_ENV, TRUNK, UPLINK
+from benchmarks.harness.netns import RACK_NETNS_ENV, TRUNK, UPLINK
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
 from hf_fedshard.models import PRESETS, build_model
 
@@ -42,7 +42,7 @@ UPLINK_STATS = Path(f"/sys/class/net/{UPLINK}/statistics")
 
 @dataclass
 class BenchArguments:
-    data_dir: str = field(metadata={"help": "Packed blocks and tokenizer written by two_tier.py (save_to_disk)."})
+    data_dir: str = field(metadata={"help": "Packed blocks and tokenizer written by methods.prepare_data."})
     record_dir: str = field(metadata={"help": "Folder for each rank's rank<R>.json."})
     model_size: str = field(default="tiny", metadata={"help": "Llama preset.", "choices": list(PRESETS)})
     no_averaging: bool = field(default=False, metadata={"help": "The ideal: drop the FedAvgCallback."})
