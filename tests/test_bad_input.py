@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_fedshard import FederationLayout, FedShardTrainer, FedShardTrainingArguments, notices
 from hf_fedshard.card import divergence_steps
@@ -102,15 +102,6 @@ def test_latest_complete_checkpoint_skips_partial_ones(tmp_path):
     for name in ("checkpoint-2", "checkpoint-10", "tmp-checkpoint-12"):
         (tmp_path / name / "trainer_state.json").write_text("{}")
     assert latest_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")  # not 11 (no state), not 12
-
-
-@pytest.fixture
-def world4_no_setup(monkeypatch):
-    """WORLD_SIZE=4 without process groups: the fields are final when `TrainingArguments.__post_init__` starts."""
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "FSDP_VERSION"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(TrainingArguments, "__post_init__", lambda self: None)
 
 
 def make_args(tmp_path, **kwargs) -> FedShardTrainingArguments:

@@ -38,12 +38,8 @@ def test_card_of_a_run_without_federation(tmp_path):
 
 
 @pytest.fixture
-def world4(monkeypatch):
-    """WORLD_SIZE=4 without process groups: arguments of a 2-group run, for a card built from records alone."""
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "FSDP_VERSION"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(TrainingArguments, "__post_init__", lambda self: None)
+def world4(world4_no_setup, monkeypatch):
+    """Arguments of a 2-group run on 4 ranks, for a card built from records alone."""
     monkeypatch.setattr(TrainingArguments, "world_size", 4)  # what the 4 ranks' set-up would report
 
 
