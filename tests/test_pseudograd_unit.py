@@ -13,6 +13,7 @@ from hf_fedshard.errors import ConfigError
 from hf_fedshard.exchange import Exchange, mean_over_groups
 from hf_fedshard.outer import OuterOptimizer
 
+from .asserts import labelled
 from .fake_communicator import run_ranks, run_split
 
 
@@ -112,7 +113,7 @@ def test_fedavg_outer_step_is_the_plain_average():
     expected = START.clone()
     for k in range(3):
         expected += 0.15 * (k + 1)  # the mean of the groups' moves, +0.1 (k+1) and +0.2 (k+1)
-        torch.testing.assert_close(history[k], expected, atol=1e-6, rtol=0)
+        torch.testing.assert_close(history[k], expected, atol=1e-6, rtol=0, msg=labelled(f"round {k}"))
 
 
 def test_nesterov_with_lr_1_and_no_momentum_equals_fedavg(tmp_path):
@@ -135,7 +136,7 @@ def test_nesterov_follows_the_diloco_update():
         g = -torch.full((5,), 0.15 * (k + 1))
         buf = g.clone() if buf is None else mu * buf + g
         anchor = anchor - lr * (g + mu * buf)
-        torch.testing.assert_close(history[k], anchor, atol=1e-6, rtol=0)
+        torch.testing.assert_close(history[k], anchor, atol=1e-6, rtol=0, msg=labelled(f"round {k}"))
 
 
 def test_outer_state_round_trip_continues_exactly():
