@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from .asserts import labelled
 from .launch import SCRIPTS, torchrun, train_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -40,7 +41,7 @@ def exactness_fl_hsdp(tmp_path_factory):
 def assert_same_params(a: dict, b: dict, atol: float = 2e-6) -> None:
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-5, msg=name)
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-5, msg=labelled(name))
 
 
 def test_fsdp2_shards_over_the_group_only(fl_fsdp_h2):

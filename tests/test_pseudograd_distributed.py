@@ -13,6 +13,7 @@ import torch
 
 from hf_fedshard.codec import INT8_BLOCK
 
+from .asserts import labelled
 from .launch import train_tiny
 from .test_reliability import ADAMW, assert_same_run
 
@@ -72,7 +73,7 @@ def outer_reference(run: list[dict], lr: float = 0.7, momentum: float = 0.9) -> 
         outer.step()
         after = run[0]["sync_params"][step][1]
         for name, a in anchor.items():
-            torch.testing.assert_close(after[name], a, atol=1e-6, rtol=0, msg=f"{name} at step {step}")
+            torch.testing.assert_close(after[name], a, atol=1e-6, rtol=0, msg=labelled(f"{name} at step {step}"))
 
 
 def test_nesterov_equals_a_one_process_reference_on_fl_fsdp(runs):

@@ -4,9 +4,8 @@ and the outer optimizer."""
 from __future__ import annotations
 
 import io
-import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,60 +17,8 @@ from hf_fedshard.errors import ConfigError
 from hf_fedshard.exchange import Exchange, ProcessGroupCommunicator, mean_over_groups, split_mean_over_groups
 from hf_fedshard.outer import OuterOptimizer
 
-
-class FakeCommunicator:
-    """One rank of an in-process group: each rank is a thread; a collective meets at a barrier."""
-
-    def __init__(self, shared: dict, rank: int, size: int) -> None:
-        self.shared, self._rank, self._size = shared, rank, size
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def _meet(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's tensor, in rank order (two barriers: post, read, then free the slot)."""
-        self.shared[self._rank] = tensor.clone()
-        self.shared["barrier"].wait()
-        everyone = [self.shared[r] for r in range(self._size)]
-        self.shared["barrier"].wait()
-        return everyone
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        everyone = self._meet(tensor)
-        tensor.copy_(everyone[0].clone().zero_().add_(sum(t.double() for t in everyone).to(tensor.dtype)))
-
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        everyone = self._meet(input)
-        output.copy_(torch.cat([t.chunk(self._size)[self._rank] for t in everyone]))
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        output.copy_(torch.cat(self._meet(input)))
-
-
-def run_ranks(size: int, fn: Callable[[FakeCommunicator], object]) -> list:
-    """``fn(comm)`` on ``size`` threads sharing one fake group; the results in rank order."""
-    shared: dict = {"barrier": threading.Barrier(size)}
-    results: list = [None] * size
-    errors: list[BaseException] = []
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = fn(FakeCommunicator(shared, rank, size))
-        except BaseException as err:  # re-raised in the main thread
-            errors.append(err)
-            shared["barrier"].abort()
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    if errors:
-        raise errors[0]
-    return results
+from .asserts import labelled
+from .fake_communicator import run_ranks, run_split
 
 
 def payloads(groups: int, numel: int = 1000) -> list[torch.Tensor]:
@@ -128,16 +75,7 @@ def test_exchange_bytes_shrink_with_the_wire_dtype(dtype, ratio):
 def test_split_exchange_equals_the_unsplit_one_with_bytes_divided_by_the_replicas():
     """2 groups × 2 replicas: world rank = group × 2 + replica; replicas of a group hold the same payload."""
     xs = payloads(2, numel=999)
-    fed_shared = [{"barrier": threading.Barrier(2)} for _ in range(2)]  # one fed group per replica position
-    rep_shared = [{"barrier": threading.Barrier(2)} for _ in range(2)]  # one replica group per federation group
-
-    def rank_fn(world: FakeCommunicator):
-        group, replica = divmod(world.rank(), 2)
-        fed = FakeCommunicator(fed_shared[replica], group, 2)
-        replicas = FakeCommunicator(rep_shared[group], replica, 2)
-        return Exchange(fed, "float32", replicas).mean([xs[group].view(27, 37)], 2)
-
-    split = run_ranks(4, rank_fn)
+    split = run_split(2, 2, lambda g, fed, replicas: Exchange(fed, "float32", replicas).mean([xs[g].view(27, 37)], 2))
     unsplit = run_ranks(2, lambda comm: Exchange(comm, "float32").mean([xs[comm.rank()].view(27, 37)], 2))
     for means, sent in split:
         assert torch.equal(means[0], unsplit[0][0][0])
@@ -203,7 +141,7 @@ def test_fedavg_outer_step_is_the_plain_average():
     expected = START.clone()
     for k in range(3):
         expected += 0.15 * (k + 1)  # the mean of the groups' moves, +0.1 (k+1) and +0.2 (k+1)
-        torch.testing.assert_close(history[k], expected, atol=1e-6, rtol=0)
+        torch.testing.assert_close(history[k], expected, atol=1e-6, rtol=0, msg=labelled(f"round {k}"))
 
 
 def test_nesterov_with_lr_1_and_no_momentum_equals_fedavg(tmp_path):
@@ -226,7 +164,7 @@ def test_nesterov_follows_the_diloco_update():
         g = -torch.full((5,), 0.15 * (k + 1))
         buf = g.clone() if buf is None else mu * buf + g
         anchor = anchor - lr * (g + mu * buf)
-        torch.testing.assert_close(history[k], anchor, atol=1e-6, rtol=0)
+        torch.testing.assert_close(history[k], anchor, atol=1e-6, rtol=0, msg=labelled(f"round {k}"))
 
 
 def test_outer_state_round_trip_continues_exactly():

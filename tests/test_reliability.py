@@ -20,6 +20,7 @@ from transformers import LlamaForCausalLM
 from hf_fedshard.checkpoint import latest_complete_checkpoint
 from hf_fedshard.manifest import checksum_problem, describe_files, read_manifest
 
+from .asserts import labelled
 from .launch import SCRIPTS, SGD, torchrun, train_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -43,9 +44,9 @@ def assert_same_run(runs: list[dict], reference: list[dict]) -> None:
     """Same final parameters (every rank's shards and the gathered model), eval perplexity and FedAvg counters."""
     for run, ref in zip(runs, reference, strict=True):
         for name, value in ref["local_params"].items():
-            torch.testing.assert_close(run["local_params"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+            torch.testing.assert_close(run["local_params"][name], value, atol=1e-6, rtol=1e-5, msg=labelled(name))
         for name, value in ref["full_params"].items():
-            torch.testing.assert_close(run["full_params"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+            torch.testing.assert_close(run["full_params"][name], value, atol=1e-6, rtol=1e-5, msg=labelled(name))
         assert run["eval"]["eval_perplexity"] == pytest.approx(ref["eval"]["eval_perplexity"], rel=1e-6)
         timing = ("last_sync_seconds", "total_sync_seconds", "total_wait_seconds")
         assert {k: v for k, v in run["fed_counters"].items() if k not in timing} == {
@@ -87,7 +88,7 @@ def test_save_model_exports_the_global_model_in_hf_format(reference):
     exported = dict(model.named_parameters())
     for rank in (0, 2):  # one rank of each group: both hold the global model at the end
         for name, value in runs[rank]["full_params"].items():
-            torch.testing.assert_close(exported[name], value, atol=0, rtol=0, msg=name)
+            torch.testing.assert_close(exported[name], value, atol=0, rtol=0, msg=labelled(name))
 
 
 def test_save_model_between_averagings_exports_their_average(tmp_path):
@@ -99,7 +100,7 @@ def test_save_model_between_averagings_exports_their_average(tmp_path):
     exported = dict(LlamaForCausalLM.from_pretrained(tmp_path / "export").named_parameters())
     assert any(not torch.equal(group0[name], group1[name]) for name in group0)  # the groups had drifted
     for name, value in group0.items():
-        torch.testing.assert_close(exported[name], (value + group1[name]) / 2, atol=1e-7, rtol=1e-6, msg=name)
+        torch.testing.assert_close(exported[name], (value + group1[name]) / 2, atol=1e-7, rtol=1e-6, msg=labelled(name))
     for run in runs:  # the export changed no group's model
         assert all(torch.equal(run["params_after_export"][n], v) for n, v in run["params_before_export"].items())
     assert runs[0]["fed_counters"]["syncs"] == 2  # step 0's averaging, then step 4's: the export is none
@@ -279,7 +280,7 @@ def test_averaging_settings_changed_at_each_resume_take_effect_there(tmp_path):
             buffer = saved["optimizer"]["state"][i]["momentum_buffer"] if kept else torch.zeros_like(means[i])
             buffer = momentum * buffer + means[i]
             expected = saved["anchor"][i] - lr * (means[i] + momentum * buffer if momentum else means[i])
-            torch.testing.assert_close(after[name], expected, atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(after[name], expected, atol=1e-6, rtol=0, msg=labelled(name))
     bf16_means = dumps[1]["sync_exchanges"][4][1]
     assert all(torch.equal(m, m.bfloat16().float()) for m in bf16_means)  # sent in bfloat16 after the resume
     assert not all(torch.equal(m, m.bfloat16().float()) for m in dumps[2]["sync_exchanges"][6][1])  # float32 again

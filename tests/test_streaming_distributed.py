@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from .asserts import labelled
 from .launch import train_tiny
 from .test_pseudograd_distributed import peer
 from .test_reliability import ADAMW, assert_same_run
@@ -100,7 +101,9 @@ def streaming_reference(run: list[dict], lr: float, momentum: float, atol: float
                     exp[name] = a.clone() if progress is None else a + (progress[g][name] - taken_from[g][name])
         for g in range(len(groups)):
             for name, value in expected[g].items():
-                torch.testing.assert_close(afters[g][name], value, atol=atol, rtol=0, msg=f"{name}, step {step}")
+                torch.testing.assert_close(
+                    afters[g][name], value, atol=atol, rtol=0, msg=labelled(f"group {g}, {name}, step {step}")
+                )
         checked += len(steps)
     return checked
 

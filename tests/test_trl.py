@@ -16,6 +16,7 @@ from transformers import Trainer
 
 from hf_fedshard import FedShardMixin, FedShardTrainingArguments
 
+from .asserts import labelled
 from .launch import SCRIPTS, SGD, torchrun
 from .scripts.train_tiny import TokenDataset, tiny_llama
 
@@ -103,7 +104,7 @@ def test_fed_sft_with_h1_equals_sft_trainer_under_ddp(sft_exactness):
     assert fed[0]["mro"][:2] == ["FedShardSFTTrainer", "SFTTrainer"]
     assert fed[0]["full_params"].keys() == ddp[0]["full_params"].keys()
     for name, value in fed[0]["full_params"].items():
-        torch.testing.assert_close(value, ddp[0]["full_params"][name], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(value, ddp[0]["full_params"][name], atol=1e-5, rtol=1e-5, msg=labelled(name))
     assert fed[0]["eval"]["eval_loss"] == pytest.approx(ddp[0]["eval"]["eval_loss"], abs=1e-5)
     for run in (fed, ddp):  # SFTTrainer's own log still runs, and counts the world's tokens
         logs = [h for h in run[0]["log_history"] if "loss" in h]
@@ -137,10 +138,16 @@ def test_lora_through_sft_averages_only_the_adapter(sft_lora):
         for name, value in rank["full_params"].items():  # the frozen base model never moved
             if name not in rank["trainable"]:
                 base = name.replace("base_model.model.", "").replace(".base_layer", "")
-                torch.testing.assert_close(value, rank["initial_params"][base], atol=0, rtol=0, msg=name)
+                torch.testing.assert_close(value, rank["initial_params"][base], atol=0, rtol=0, msg=labelled(name))
     for a, b in [(0, 2), (1, 3)]:  # groups hold the same adapter after the final averaging
         for name in lora[a]["trainable"]:
-            torch.testing.assert_close(lora[a]["local_params"][name], lora[b]["local_params"][name], atol=0, rtol=0)
+            torch.testing.assert_close(
+                lora[a]["local_params"][name],
+                lora[b]["local_params"][name],
+                atol=0,
+                rtol=0,
+                msg=labelled(f"{name}, ranks {a} and {b}"),
+            )
     card = (out / "README.md").read_text()  # SFTTrainer's checkpoint-time card, with hf_fedshard's section
     assert (out / "checkpoint-4").is_dir()
     assert "TRL" in card and "## Training with hf_fedshard" in card and "| Federation groups | 2 |" in card

@@ -1,0 +1,86 @@
+"""An in-process `Communicator`: each rank is a thread, a collective meets at a barrier (no process group)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+BARRIER_TIMEOUT_S = 30  # a rank that failed leaves the others waiting: they fail after this instead of hanging
+
+
+class FakeCommunicator:
+    """One rank of an in-process group of ``size`` ranks sharing the ``shared`` dict."""
+
+    def __init__(self, shared: dict, rank: int, size: int) -> None:
+        self.shared, self._rank, self._size = shared, rank, size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def _meet(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's tensor, in rank order (two barriers: post, read, then free the slot)."""
+        self.shared[self._rank] = tensor.clone()
+        self.shared["barrier"].wait()
+        everyone = [self.shared[r] for r in range(self._size)]
+        self.shared["barrier"].wait()
+        return everyone
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """The sum in ``tensor``'s dtype, in rank order, as a backend does: a too narrow dtype is not hidden."""
+        everyone = self._meet(tensor)
+        total = everyone[0].clone()
+        for other in everyone[1:]:
+            total += other
+        tensor.copy_(total)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        everyone = self._meet(input)
+        output.copy_(torch.cat([t.chunk(self._size)[self._rank] for t in everyone]))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        output.copy_(torch.cat(self._meet(input)))
+
+
+def run_ranks(size: int, fn: Callable[[FakeCommunicator], object]) -> list:
+    """``fn(comm)`` on ``size`` threads sharing one fake group; the results in rank order."""
+    shared: dict = {"barrier": threading.Barrier(size, timeout=BARRIER_TIMEOUT_S)}
+    results: list = [None] * size
+    errors: list[BaseException] = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(FakeCommunicator(shared, rank, size))
+        except BaseException as err:  # re-raised in the main thread
+            errors.append(err)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def run_split(groups: int, replicas: int, fn: Callable[[int, FakeCommunicator, FakeCommunicator], object]) -> list:
+    """``fn(group, fed, replicas)`` on ``groups × replicas`` threads (FL+HSDP); results by world rank.
+
+    World rank = group × replicas + replica; ``fed`` joins the ranks at the same replica position of every
+    group, ``replicas`` the ranks of one group.
+    """
+    fed_shared = [{"barrier": threading.Barrier(groups, timeout=BARRIER_TIMEOUT_S)} for _ in range(replicas)]
+    rep_shared = [{"barrier": threading.Barrier(replicas, timeout=BARRIER_TIMEOUT_S)} for _ in range(groups)]
+
+    def rank_fn(world: FakeCommunicator) -> object:
+        group, replica = divmod(world.rank(), replicas)
+        fed = FakeCommunicator(fed_shared[replica], group, groups)
+        return fn(group, fed, FakeCommunicator(rep_shared[group], replica, replicas))
+
+    return run_ranks(groups * replicas, rank_fn)
