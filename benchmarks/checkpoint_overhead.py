@@ -26,8 +26,8 @@ import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser, TrainerCallback, set_seed
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
-from hf_fedshard.checkpoint import latest_complete_checkpoint
-from hf_fedshard.models import PRESETS, llama_config
+from hf_fedshard.checkpointing.checkpoint import latest_complete_checkpoint
+from hf_fedshard.tools.models import PRESETS, llama_config
 
 
 @dataclass

@@ -3,7 +3,7 @@
     python benchmarks/gloo_collectives.py     # as root: 2 nodes × 2 ranks, 16 MB per collective, prints a table
 
 Each collective runs over the whole world of 4 ranks (2 per node); the bytes node 0's uplink sent are compared
-with a ring's (hf_fedshard.cost): the ring 0-1-2-3 crosses between nodes twice, so each node sends one hop.
+with a ring's (hf_fedshard.tools.cost): the ring 0-1-2-3 crosses between nodes twice, so each node sends one hop.
 The reduce-scatter result is why the cost model has a ``GLOO`` reduce-scatter: it costs an all-reduce.
 Results go to benchmarks/results/gloo_collectives_full/results.json.
 """
@@ -62,7 +62,7 @@ def main() -> None:
 
     from benchmarks.harness import results_folder
     from benchmarks.harness.netns import Cluster, handle_termination
-    from hf_fedshard.cost import GLOO, RING, ring_hop_bytes
+    from hf_fedshard.tools.cost import GLOO, RING, ring_hop_bytes
 
     payload = NUMEL * 4
     with tempfile.TemporaryDirectory() as tmp, handle_termination(), Cluster(2) as cluster:

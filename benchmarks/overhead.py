@@ -7,7 +7,7 @@ AdamW hyperparameters, gradient clipping, constant learning rate and number of o
 - ``trainer``: plain `transformers.Trainer` with FSDP2 over 2 ranks, run as two jobs of 2 ranks side by side
   (one group each, never averaging): the same per-rank compute and intra-group traffic as ``fedshard``. On CPU,
   Accelerate turns FSDP into DDP (see ../shared/FACTS.md), so its state is switched back to FSDP with the same
-  6 lines hf_fedshard uses (`hf_fedshard.fsdp.ensure_fsdp`); nothing else of hf_fedshard runs;
+  6 lines hf_fedshard uses (`hf_fedshard.integrations.fsdp.ensure_fsdp`); nothing else of hf_fedshard runs;
 - ``handwritten``: a minimal FSDP2 + FedAvg loop (`fully_shard` per decoder layer and the root on the group's
   mesh, `torch.optim.AdamW`, an all-reduce of the local shards along ``fed`` every H steps).
 
@@ -95,7 +95,7 @@ def build_model(size: str, seq_len: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_fedshard.models import llama_config
+    from hf_fedshard.tools.models import llama_config
 
     torch.manual_seed(SEED)
     return AutoModelForCausalLM.from_config(llama_config(size, VOCAB, seq_len))
@@ -109,7 +109,7 @@ def trainer_worker(opts: argparse.Namespace) -> list[dict]:
     from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
     from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
-    from hf_fedshard.fsdp import ensure_fsdp, requested_fsdp_plugin
+    from hf_fedshard.integrations.fsdp import ensure_fsdp, requested_fsdp_plugin
 
     timeline = Timeline()
     common = dict(

@@ -11,7 +11,7 @@ the median over repetitions with its range. Methods (benchmarks/harness/report.p
 - ideal: FL+FSDP whose groups never average; LocalSGD: Accelerate's, DDP with a whole model per rank.
 
 Two times are divided by (bytes node 0's uplink sent ÷ link rate): the *exchange wait*, the seconds rank 0 waited
-for overlapped exchanges to finish (``fed_sync_wait_seconds_total``, the issue's target), and the *callback time*,
+for overlapped exchanges to finish (``fed_sync_wait_seconds_total``, the target), and the *callback time*,
 the training loop's whole time inside the averaging callback (snapshots, divergence checks, norms, outer steps,
 and for blocking averaging the exchange itself). For blocking FL+FSDP the per-averaging ratio of
 benchmarks/tiers.py is printed beside them. ``--report-only results.json`` rewrites the tables of a finished

@@ -44,7 +44,7 @@ from benchmarks.harness.report import (  # noqa: E402
     spread,
     write_study,
 )
-from hf_fedshard.cost import model_state_bytes_per_rank  # noqa: E402
+from hf_fedshard.tools.cost import model_state_bytes_per_rank  # noqa: E402
 
 METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal")
 

@@ -1,18 +1,43 @@
-"""hf_fedshard: FL+FSDP and FL+HSDP (FedAvg across FSDP2 groups) for the Hugging Face Trainer."""
+"""hf_fedshard: FL+FSDP and FL+HSDP (federated averaging across FSDP2 groups) for Transformers, Accelerate and
+plain PyTorch loops.
 
-from .arguments import FedShardArgumentsMixin, FedShardTrainingArguments
-from .callback import FedAvgCallback
-from .mesh import FederatedParallelismConfig, FederationLayout, MeshAxis
-from .trainer import FedShardMixin, FedShardTrainer
+The package's folders are its layers:
 
-__all__ = [
-    "FedAvgCallback",
-    "FedShardArgumentsMixin",
-    "FedShardMixin",
-    "FedShardTrainer",
-    "FedShardTrainingArguments",
-    "FederatedParallelismConfig",
-    "FederationLayout",
-    "MeshAxis",
-]
+- ``engine/``: `FederatedAverager`, the averaging itself (schedule, fragments, outer optimizer, exchange, codec,
+  divergence); it imports torch only, so a plain training loop can use it.
+- ``transports/``: how the groups reach each other (``mesh``: one job, one world mesh).
+- ``integrations/``: the Trainer and TRL side (`FedShardTrainer`, the callback, arguments, model card).
+- ``checkpointing/``: federated checkpoints, their manifest and the resume that verifies them.
+- ``tools/``: the cost model, offline data and model presets; no training path imports them.
+
+Names are imported on first use, so ``import hf_fedshard.engine`` does not import Transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_PUBLIC = {
+    "FedAvgCallback": "hf_fedshard.integrations.callback",
+    "FederatedAverager": "hf_fedshard.engine.averager",
+    "FedShardArgumentsMixin": "hf_fedshard.integrations.arguments",
+    "FedShardMixin": "hf_fedshard.integrations.trainer",
+    "FedShardTrainer": "hf_fedshard.integrations.trainer",
+    "FedShardTrainingArguments": "hf_fedshard.integrations.arguments",
+    "FederatedParallelismConfig": "hf_fedshard.integrations.fsdp",
+    "FederationLayout": "hf_fedshard.transports.mesh",
+    "MeshAxis": "hf_fedshard.transports.mesh",
+}
+__all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'hf_fedshard' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
+
+
+def __dir__() -> list[str]:
+    return [*globals(), *__all__]

@@ -8,7 +8,7 @@ Needs TRL (``pip install "hf_fedshard[trl]"``). The classes compose TRL's with h
 
 So `SFTTrainer.log` adds its metrics, `SFTTrainer._save_checkpoint` writes its card and then the federated
 checkpoint is written, and `SFTTrainer.compute_loss` runs inside hf_fedshard's `training_step`, which keeps its
-per-step metric gathers inside the group (see `hf_fedshard.group_gather`).
+per-step metric gathers inside the group (see `hf_fedshard.integrations.group_gather`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import TrainingArguments
 
 try:
@@ -28,8 +27,8 @@ except ImportError as err:  # an optional extra: say how to get it
         "(or pip install trl)."
     ) from err
 
-from .arguments import FedShardArgumentsMixin
-from .trainer import FedShardMixin
+from hf_fedshard.integrations.arguments import FedShardArgumentsMixin
+from hf_fedshard.integrations.trainer import FedShardMixin
 
 # SFTTrainer's per-step training metrics: the groups' values are averaged, except token counts, which add up.
 _SUMMED_METRICS = ("num_tokens",)
@@ -77,7 +76,7 @@ class FedShardSFTTrainer(SFTTrainer, FedShardMixin):
         if not keys:
             return
         flat = torch.tensor([v for k in keys for v in metrics[k]], dtype=torch.float64)
-        dist.all_reduce(flat, group=self.fed_callback.fed_group)
+        self.fed_communicator.peers.all_reduce_sum(flat)
         values = iter(flat.tolist())
         for key in keys:
             scale = 1 if key in _SUMMED_METRICS else self.fed_layout.num_groups

@@ -25,9 +25,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoTokenizer, HfArgumentParser, default_data_collator, set_seed
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
-from hf_fedshard.data import EMBEDDED, load_text, pack, train_bpe_tokenizer
 from hf_fedshard.errors import exit_on_config_error
-from hf_fedshard.models import PRESETS, build_model
+from hf_fedshard.tools.data import EMBEDDED, load_text, pack, train_bpe_tokenizer
+from hf_fedshard.tools.models import PRESETS, build_model
 
 
 @dataclass
@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if trainer.is_world_process_zero():
         print(f"eval perplexity on {data_args.dataset_name}: {before['eval_before_perplexity']:.2f} before, "
               f"{metrics['eval_perplexity']:.2f} after")  # fmt: skip
-        if trainer.fed_callback is not None and trainer.fed_callback.syncs:
-            sent = trainer.fed_callback.inter_group_bytes / trainer.fed_callback.syncs
+        fed = trainer.fed_callback.metrics() if trainer.fed_callback is not None else {}
+        if fed.get("fed_syncs"):
+            sent = fed["fed_inter_group_bytes"] / fed["fed_syncs"]
             full = 4 * total / trainer.fed_layout.shard_size  # fp32 shard of every parameter
             print(f"inter-group bytes per averaging: {sent:,.0f} (adapter) vs {full:,.0f} for the full model")
     return metrics

@@ -37,9 +37,9 @@ from datasets import DatasetDict
 from transformers import AutoTokenizer, HfArgumentParser, PreTrainedTokenizerBase, default_data_collator, set_seed
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
-from hf_fedshard.data import EMBEDDED, load_text, pack, prepare_once, train_bpe_tokenizer
 from hf_fedshard.errors import exit_on_config_error
-from hf_fedshard.models import PRESETS, build_model
+from hf_fedshard.tools.data import EMBEDDED, load_text, pack, prepare_once, train_bpe_tokenizer
+from hf_fedshard.tools.models import PRESETS, build_model
 
 
 @dataclass

@@ -20,7 +20,7 @@ conversational datasets go through its chat template), e.g. on one node of 8 GPU
 
 Defaults that differ from SFTConfig: `bf16` off (CPUs; pass `--bf16` on GPUs), packing on with the "wrapped"
 strategy into `max_length`=128-token blocks, a 1e-4 learning rate (1e-3 with `--use_peft`), evaluation every 16
-steps. A text dataset is tokenized once per machine (`hf_fedshard.data.prepare_once`); SFTTrainer packs it.
+steps. A text dataset is tokenized once per machine (`hf_fedshard.tools.data.prepare_once`); SFTTrainer packs it.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from datasets import DatasetDict
 from peft import LoraConfig
 from transformers import AutoTokenizer, HfArgumentParser, PreTrainedTokenizerBase, set_seed
 
-from hf_fedshard.data import EMBEDDED, load_text, prepare_once, train_bpe_tokenizer
 from hf_fedshard.errors import exit_on_config_error
-from hf_fedshard.models import PRESETS, build_model
+from hf_fedshard.tools.data import EMBEDDED, load_text, prepare_once, train_bpe_tokenizer
+from hf_fedshard.tools.models import PRESETS, build_model
 from hf_fedshard.trl import FedShardSFTConfig, FedShardSFTTrainer
 
 QUICKSTART_MODEL = "outputs/tiny-fl-fsdp"
@@ -134,11 +134,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if trainer.is_world_process_zero():
         print(f"eval perplexity on {script.dataset_name}: {before['eval_before_perplexity']:.2f} before, "
               f"{metrics['eval_perplexity']:.2f} after")  # fmt: skip
-        fed = trainer.fed_callback
-        if fed is not None and fed.syncs:
+        fed = trainer.fed_callback.metrics() if trainer.fed_callback is not None else {}
+        if fed.get("fed_syncs"):
             what = f"adapter, {trainable / total:.2%} of the parameters" if script.use_peft else "full model"
-            print(f"inter-group bytes per rank: {fed.inter_group_bytes:,} in {fed.syncs} averagings ({what}), "
-                  f"{fed.inter_group_bytes / trainer.state.global_step:,.0f} per optimizer step")  # fmt: skip
+            sent, syncs = fed["fed_inter_group_bytes"], fed["fed_syncs"]
+            print(f"inter-group bytes per rank: {sent:,} in {syncs} averagings ({what}), "
+                  f"{sent / trainer.state.global_step:,.0f} per optimizer step")  # fmt: skip
     return metrics
 
 

@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from hf_fedshard.engine import FederationCommunicator
+
 BARRIER_TIMEOUT_S = 30  # a rank that failed leaves the others waiting: they fail after this instead of hanging
 
 
@@ -84,3 +86,41 @@ def run_split(groups: int, replicas: int, fn: Callable[[int, FakeCommunicator, F
         return fn(group, fed, FakeCommunicator(rep_shared[group], replica, replicas))
 
     return run_ranks(groups * replicas, rank_fn)
+
+
+class Counted:
+    """A `Communicator` that counts the collectives it runs (``calls``), then runs them on ``inner``."""
+
+    def __init__(self, inner: FakeCommunicator) -> None:
+        self.inner, self.calls = inner, 0
+
+    def size(self) -> int:
+        return self.inner.size()
+
+    def rank(self) -> int:
+        return self.inner.rank()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        self.calls += 1
+        self.inner.all_reduce_sum(tensor)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self.calls += 1
+        self.inner.all_to_all(output, input)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self.calls += 1
+        self.inner.all_gather(output, input)
+
+
+def run_federation(groups: int, fn: Callable[[FederationCommunicator], object]) -> list:
+    """``fn(comm)`` on ``groups`` threads, one rank per group: the engine's peers, control and exchange are three
+    fake groups of the same ranks (the exchange's own, as the overlap worker needs), each `Counted`."""
+    shared = {name: {"barrier": threading.Barrier(groups, timeout=BARRIER_TIMEOUT_S)} for name in ("p", "c", "x")}
+
+    def rank_fn(world: FakeCommunicator) -> object:
+        rank = world.rank()
+        peers, control, exchange = (Counted(FakeCommunicator(shared[n], rank, groups)) for n in ("p", "c", "x"))
+        return fn(FederationCommunicator(peers=peers, control=control, exchange=exchange, timeout="fed_timeout_s=5"))
+
+    return run_ranks(groups, rank_fn)

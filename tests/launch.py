@@ -1,10 +1,11 @@
 """Launch a distributed check script under torchrun (gloo, CPU) with a hard timeout.
 
-A hang fails the test instead of blocking CI: the whole process group of the launcher is killed.
+A hang fails the test instead of blocking CI: the launcher and every process below it are killed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -43,10 +44,27 @@ def torchrun(
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        for pid in [proc.pid, *_descendants(proc.pid)]:  # torchrun starts each worker in a session of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
         raise TimeoutError(f"{cmd} hung for {timeout_s}s; output:\n{out[-4000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 def train_tiny(nproc: int, out_dir: Path, args: list[str], timeout_s: float = 240, max_restarts: int = 0) -> list[dict]:

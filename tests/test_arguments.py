@@ -9,6 +9,7 @@ import pytest
 from transformers import HfArgumentParser
 
 from hf_fedshard import FederatedParallelismConfig, FederationLayout, FedShardTrainingArguments
+from hf_fedshard.integrations.fsdp import parallelism_config
 
 from .launch import REPO
 
@@ -38,12 +39,12 @@ def test_group_index_is_contiguous_blocks():
 
 
 def test_parallelism_config_counts_the_groups():
-    config = FederationLayout(8, 4, 2).parallelism_config()
+    config = parallelism_config(FederationLayout(8, 4, 2))
     assert isinstance(config, FederatedParallelismConfig)
     assert (config.fed_size, config.dp_replicate_size, config.dp_shard_size) == (2, 2, 2)
     assert config.total_size == 8
     assert config.fsdp_dim_names == ["dp_replicate", "dp_shard"]  # real axes: slicing them does not warn
-    assert FederationLayout(4, 2).parallelism_config().fsdp_dim_names == ["dp_shard"]
+    assert parallelism_config(FederationLayout(4, 2)).fsdp_dim_names == ["dp_shard"]
 
 
 @pytest.mark.parametrize(

@@ -12,16 +12,16 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_fedshard import FederationLayout, FedShardTrainer, FedShardTrainingArguments, notices
-from hf_fedshard.card import divergence_steps
-from hf_fedshard.checkpoint import (
+from hf_fedshard.checkpointing.checkpoint import (
     check_resumable,
     complete_checkpoints,
     latest_complete_checkpoint,
     set_aside,
     write_layout_record,
 )
+from hf_fedshard.checkpointing.manifest import checksum_problem, describe_files, list_files, size_problem
 from hf_fedshard.errors import ConfigError
-from hf_fedshard.manifest import checksum_problem, describe_files, list_files, size_problem
+from hf_fedshard.integrations.card import divergence_steps
 
 
 @pytest.fixture(autouse=True)

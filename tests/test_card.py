@@ -11,7 +11,7 @@ from huggingface_hub import ModelCard
 from transformers import TrainerState, TrainingArguments
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
-from hf_fedshard.card import card_section, results_table
+from hf_fedshard.integrations.card import card_section, results_table
 
 from .scripts.train_tiny import TokenDataset, tiny_llama
 

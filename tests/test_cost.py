@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hf_fedshard.cost import (
+from hf_fedshard.tools.cost import (
     GLOO,
     PAPER_HEADLINE_SPEEDUP,
     RING,
@@ -23,8 +23,8 @@ from hf_fedshard.cost import (
     step_cost,
     sync_bytes_per_value,
 )
-from hf_fedshard.mesh import FederationLayout
-from hf_fedshard.models import PRESETS, llama_config
+from hf_fedshard.tools.models import PRESETS, llama_config
+from hf_fedshard.transports.mesh import FederationLayout
 
 
 def test_ring_hop_bytes_of_each_collective():
@@ -245,7 +245,7 @@ def test_leonardo_three_tier_projection():
     """bf16 FedAvg on cells of 8 nodes: FL+FSDP reaches the paper's 8.04× at some cell bandwidth, FL+HSDP at none."""
     from dataclasses import replace
 
-    from hf_fedshard.cost import leonardo_setting
+    from hf_fedshard.tools.cost import leonardo_setting
 
     setting = leonardo_setting()
     assert (setting.nodes_per_rack, setting.model.sync_bytes, setting.fl_hsdp_group) == (8, 2, 32)
@@ -267,7 +267,7 @@ def test_cli_prints_the_three_tier_setting(capsys):
 
 def test_model_state_per_rank_and_largest_model():
     """16 B per parameter (fp32 weights, gradients, two AdamW moments), 24 B with an outer optimizer, over S ranks."""
-    from hf_fedshard.cost import largest_model_params, model_state_bytes_per_rank
+    from hf_fedshard.tools.cost import largest_model_params, model_state_bytes_per_rank
 
     assert model_state_bytes_per_rank(1000, FederationLayout(8)) == 2000  # FSDP over 8 ranks
     assert model_state_bytes_per_rank(1000, FederationLayout(8, 8, 2)) == 8000  # HSDP: shards of 2

@@ -1,6 +1,6 @@
 """The values the exchange and the buffer averaging hand every peer, bit for bit, with groups left out.
 
-The reference is the rule of `hf_fedshard.exchange` written again from the codec primitives: a wrong divisor,
+The reference is the rule of `hf_fedshard.engine.exchange` written again from the codec primitives: a wrong divisor,
 a sum in bf16, a skipped re-encoding or a mis-cut chunk changes bits that a tolerance would let through.
 """
 
@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed import ReduceOp
 
-from hf_fedshard import averaging
-from hf_fedshard.codec import alignment, decode, encode
-from hf_fedshard.exchange import Exchange
+from hf_fedshard.engine import payload
+from hf_fedshard.engine.codec import alignment, decode, encode
+from hf_fedshard.engine.exchange import Exchange
 
 from .fake_communicator import run_ranks, run_split
 
@@ -40,7 +39,7 @@ def rule(xs: list[torch.Tensor], contributing: list[int], sync_dtype: str) -> to
 
 
 def sent_by(group: int, contributing: list[int], ds: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """What a group sends: its Δ, or zeros when it is left out (as `FedAvgCallback._outer_step` does)."""
+    """What a group sends: its Δ, or zeros when it is left out (as `FederatedAverager._deltas` does)."""
     return ds[group] if group in contributing else [torch.zeros_like(d) for d in ds[group]]
 
 
@@ -80,15 +79,10 @@ def test_split_exchange_is_the_rule_over_the_contributing_groups_exactly(sync_dt
     assert_every_peer_got(results, expected_means(ds, contributing, sync_dtype))
 
 
-def test_buffers_left_out_group_gets_the_mean_of_the_others_only(monkeypatch):
-    """`average_across_groups(contribute=False)` on a group whose buffers are NaN: catches NaN × 0 sent instead
+def test_buffers_left_out_group_gets_the_mean_of_the_others_only():
+    """`plain_mean_over_groups(contribute=False)` on a group whose buffers are NaN: catches NaN × 0 sent instead
     of zeros, a division by the peers (4) instead of the contributors (3), and a bf16 buffer summed in bf16."""
 
-    def all_reduce(tensor, op, group):  # the fake group's sum in place of torch.distributed's
-        assert op == ReduceOp.SUM
-        group.all_reduce_sum(tensor)
-
-    monkeypatch.setattr(averaging, "all_reduce", all_reduce)
     generator = torch.Generator().manual_seed(1)
     buffers = [
         [torch.randn(5, 3, generator=generator) * (g + 1), torch.randn(40, generator=generator).bfloat16()]
@@ -101,7 +95,7 @@ def test_buffers_left_out_group_gets_the_mean_of_the_others_only(monkeypatch):
 
     def rank_fn(comm):
         mine = [b.clone() for b in buffers[comm.rank()]]
-        averaging.average_across_groups(mine, comm, 3, contribute=comm.rank() in contributing)
+        payload.plain_mean_over_groups(mine, comm, 3, contribute=comm.rank() in contributing)
         return mine, None
 
     assert_every_peer_got(run_ranks(4, rank_fn), expected)

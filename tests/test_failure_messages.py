@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_fedshard.callback import FedAvgCallback
-from hf_fedshard.exchange import Exchange
-from hf_fedshard.timeouts import explain_stalled_collectives
+from hf_fedshard.engine.failures import explain_failures
+from hf_fedshard.integrations.timeouts import explain_stalled_collectives
 
 CLOSED = "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234"
 RESET = "[gloo/transport/tcp/pair.cc:598] Read error [127.0.0.1]:23456: Connection reset by peer"
@@ -23,8 +22,7 @@ def explained(context, cause: str) -> str:
 
 @pytest.mark.parametrize("cause", [CLOSED, RESET])
 def test_a_dead_peer_is_said_to_have_died(cause):
-    callback = FedAvgCallback(None, num_groups=2, sync_steps=4, exchange=Exchange(None), timeout_s=5)
-    message = explained(callback._explain_failures(7), cause)
+    message = explained(explain_failures(7, "fed_timeout_s=5"), cause)
     assert message.startswith(
         "hf_fedshard: an exchange across federation groups failed at step 7: a rank of another group died (its "
         "connection closed). Check that group's logs for its error."
@@ -36,9 +34,8 @@ def test_a_dead_peer_is_said_to_have_died(cause):
 
 
 def test_a_silent_peer_is_said_to_have_timed_out():
-    callback = FedAvgCallback(None, num_groups=2, sync_steps=4, exchange=Exchange(None), timeout_s=5)
     assert "another group stopped answering (no reply within fed_timeout_s=5 seconds). Check" in explained(
-        callback._explain_failures(7), TIMED_OUT
+        explain_failures(7, "fed_timeout_s=5"), TIMED_OUT
     )
     world = explained(explain_stalled_collectives(lambda: 3, 20), f"gloo: {TIMED_OUT}")
     assert "a rank stopped answering (no reply within ddp_timeout=20 seconds). Check" in world

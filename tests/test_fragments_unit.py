@@ -4,18 +4,18 @@ balanced by bytes, the apply rule that keeps local progress, and one-line refusa
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from hf_fedshard.arguments import FedShardTrainingArguments
-from hf_fedshard.callback import FedAvgCallback
+from hf_fedshard import FederatedAverager
+from hf_fedshard.engine import AveragingOptions, check_state
+from hf_fedshard.engine.fragments import Schedule, fragment_ranges, partition, unit_sizes
+from hf_fedshard.engine.outer import OuterOptimizer
 from hf_fedshard.errors import ConfigError
-from hf_fedshard.exchange import Exchange
-from hf_fedshard.fragments import Schedule, fragment_ranges, partition, unit_sizes
-from hf_fedshard.outer import OuterOptimizer
+from hf_fedshard.integrations.arguments import FedShardTrainingArguments
+from hf_fedshard.integrations.callback import FedAvgCallback
 
 # H = 8, F = 4, τ = 1: fragment f starts at steps ≡ 2(f + 1) (mod 8) and applies one step later.
 GOLDEN_H8_F4_T1 = """\
@@ -168,44 +168,49 @@ def test_apply_without_snapshots_is_the_blocking_rule():
     assert torch.equal(local, outer.anchor[0])
 
 
+def resume_state(synced_at: list[int], in_flight: dict | None = None) -> dict:
+    counters = {"syncs": 3, "inter_group_bytes": 10, "last_sync_seconds": 0.1, "diverged_groups": 0}
+    return {"counters": {**counters, "synced_at": synced_at}, "in_flight": in_flight, "outer": None}
+
+
 def test_resuming_with_another_number_of_fragments_fails_with_one_line():
-    callback = FedAvgCallback(None, num_groups=2, sync_steps=4, exchange=Exchange(None), schedule=Schedule(4, 2, 1))
-    counters = {"syncs": 3, "inter_group_bytes": 10, "last_sync_seconds": 0.1, "diverged_groups": 0, "synced_at": [4]}
+    callback = FedAvgCallback(None, AveragingOptions(sync_steps=4, sync_fragments=2, sync_overlap=1))
     with pytest.raises(ConfigError, match="fed_sync_fragments=2, but the checkpoint was written with 1") as err:
-        callback.load_state_dict(counters)
+        callback.load_state_dict(resume_state([4]))
     assert "\n" not in str(err.value)
-    callback.load_state_dict({**counters, "synced_at": [4, 2]})
-    assert callback.state_dict()["synced_at"] == [4, 2]
+    callback.load_state_dict(resume_state([4, 2]))
 
 
 def test_counters_of_a_release_before_pseudo_gradients_are_refused_in_one_line():
-    callback = FedAvgCallback(None, num_groups=2, sync_steps=4, exchange=Exchange(None))
-    counters = {"syncs": 2, "inter_group_bytes": 10, "last_sync_seconds": 0.1, "diverged_groups": 0}
+    callback = FedAvgCallback(None, AveragingOptions(sync_steps=4))
+    state = resume_state([4])
+    del state["counters"]["synced_at"]
+    state["counters"]["last_synced_step"] = 4
     with pytest.raises(ConfigError, match="counters hold last_synced_step, written by an hf_fedshard release") as err:
-        callback.load_state_dict({**counters, "last_synced_step": 4})
+        callback.load_state_dict(state)
     assert "\n" not in str(err.value)
-
-
-def test_an_overlapped_callback_needs_an_exchange_of_its_own():
-    with pytest.raises(ValueError, match="an overlapped schedule needs an `exchange`"):
-        FedAvgCallback(None, num_groups=2, sync_steps=4, schedule=Schedule(4, 1, 1))
 
 
 def test_resuming_an_exchange_the_schedule_does_not_hold_fails_with_one_line():
-    callback = FedAvgCallback(None, num_groups=2, sync_steps=8, exchange=Exchange(None), schedule=Schedule(8, 4, 1))
-    state = {"fragment": 0, "start_step": 2, "apply_step": 4, "snapshots": [], "contribute": True, "contributors": 2,
-             "diverged": [], "blocked_s": 0.0, "means": [], "sent": 0}  # fmt: skip
+    callback = FedAvgCallback(None, AveragingOptions(sync_steps=8, sync_fragments=4, sync_overlap=1))
+    flight = {"fragment": 0, "start_step": 2, "apply_step": 4, "snapshots": [], "contribute": True,
+              "contributors": 2, "diverged": [], "blocked_s": 0.0, "means": [], "sent": 0}  # fmt: skip
     with pytest.raises(ConfigError, match="started at step 2 for step 4, which fed_sync_steps=8") as err:
-        callback.load_in_flight_state(state)
+        callback.load_state_dict(resume_state([0] * 4, flight))
     assert "\n" not in str(err.value)
-    callback.load_in_flight_state({**state, "apply_step": 3})
-    assert callback._in_flight.apply_step == 3
+    callback.load_state_dict(resume_state([0] * 4, {**flight, "apply_step": 3}))
+
+
+def test_a_checkpoint_without_anchors_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="the checkpoint resumed at step 4 holds no anchor") as err:
+        check_state({**resume_state([4]), "step": 4}, Schedule(4), fragments=1)
+    assert "\n" not in str(err.value)
 
 
 def test_more_fragments_than_fsdp_units_is_refused_before_the_first_averaging():
-    """on_train_begin refuses F > units before step 0's averaging (here it would need a process group)."""
-    callback = FedAvgCallback(None, num_groups=2, sync_steps=8, exchange=Exchange(None), schedule=Schedule(8, 8))
-    state = SimpleNamespace(global_step=0)
+    """FederatedAverager refuses F > units before step 0's averaging (here it would need a communicator)."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match="fed_sync_fragments=8 exceeds the model's 2 FSDP units") as err:
-        callback.on_train_begin(SimpleNamespace(output_dir="out"), state, None, model=nn.Linear(2, 2))
+        FederatedAverager(model, optimizer, communicator=None, sync_steps=8, sync_fragments=8)
     assert "\n" not in str(err.value)

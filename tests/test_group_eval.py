@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from hf_fedshard.card import _curves
-from hf_fedshard.group_eval import rank_batches
+from hf_fedshard.integrations.card import _curves
+from hf_fedshard.integrations.group_eval import rank_batches
 
 from .launch import SCRIPTS, train_tiny
 

@@ -18,8 +18,8 @@ def test_wheel_contents(tmp_path):
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     (wheel,) = (tmp_path / "dist").glob("hf_fedshard-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {"hf_fedshard/templates/card_section.md", "hf_fedshard/cost.py", "hf_fedshard/trl.py",
-                "hf_fedshard/trainer.py", "hf_fedshard/data.py"}  # fmt: skip
+    expected = {"hf_fedshard/integrations/templates/card_section.md", "hf_fedshard/tools/cost.py", "hf_fedshard/trl.py",
+                "hf_fedshard/integrations/trainer.py", "hf_fedshard/tools/data.py"}  # fmt: skip
     assert expected <= names
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "recipes/"))]
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA"))).decode()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_fedshard.codec import INT8_BLOCK
+from hf_fedshard.engine.codec import INT8_BLOCK
 
 from .asserts import labelled
 from .launch import train_tiny

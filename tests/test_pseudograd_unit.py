@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_fedshard.arguments import FedShardTrainingArguments
-from hf_fedshard.codec import INT8_BLOCK, decode, encode
+from hf_fedshard.engine.codec import INT8_BLOCK, decode, encode
+from hf_fedshard.engine.communicator import ProcessGroupCommunicator
+from hf_fedshard.engine.exchange import Exchange, mean_over_groups, split_mean_over_groups
+from hf_fedshard.engine.outer import OuterOptimizer
 from hf_fedshard.errors import ConfigError
-from hf_fedshard.exchange import Exchange, ProcessGroupCommunicator, mean_over_groups, split_mean_over_groups
-from hf_fedshard.outer import OuterOptimizer
+from hf_fedshard.integrations.arguments import FedShardTrainingArguments
 
 from .asserts import labelled
 from .fake_communicator import run_ranks, run_split
@@ -147,7 +148,7 @@ def test_fedavg_outer_step_is_the_plain_average():
 def test_nesterov_with_lr_1_and_no_momentum_equals_fedavg(tmp_path):
     def history(**settings) -> list[torch.Tensor]:
         args = FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none", **settings)
-        return outer_round(*args.fed_outer)
+        return outer_round(*args.fed_averaging_options.outer)
 
     nesterov = history(fed_outer_optimizer="nesterov", fed_outer_lr=1.0, fed_outer_momentum=0.0)
     assert all(torch.equal(a, b) for a, b in zip(nesterov, history(), strict=True))
@@ -204,5 +205,6 @@ def test_bad_outer_settings_fail_with_one_line(tmp_path, settings, match):
 
 def test_nesterov_defaults_are_dilocos(tmp_path):
     args = FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none", fed_outer_optimizer="nesterov")
-    assert args.fed_outer == (0.7, 0.9)
-    assert FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none").fed_outer == (1.0, 0.0)
+    assert args.fed_averaging_options.outer == (0.7, 0.9)
+    fedavg = FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none")
+    assert fedavg.fed_averaging_options.outer == (1.0, 0.0)

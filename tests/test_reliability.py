@@ -17,8 +17,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import LlamaForCausalLM
 
-from hf_fedshard.checkpoint import latest_complete_checkpoint
-from hf_fedshard.manifest import checksum_problem, describe_files, read_manifest
+from hf_fedshard.checkpointing.checkpoint import latest_complete_checkpoint
+from hf_fedshard.checkpointing.manifest import checksum_problem, describe_files, read_manifest
 
 from .asserts import labelled
 from .launch import SCRIPTS, SGD, torchrun, train_tiny
@@ -189,20 +189,23 @@ def test_stopped_rank_ends_the_job_within_the_timeouts(tmp_path):
 
 
 def test_stopped_rank_with_an_exchange_in_flight_fails_the_others_within_fed_timeout(tmp_path):
-    """τ = 1, H = 4: rank 3 (group 1) stops as step 5, the apply step, begins. Group 0 fails in the apply's norms
-    all-reduce (over every rank) within fed_timeout_s, not the 600 s ddp_timeout that group had before."""
+    """τ = 1, H = 4: rank 3 (group 1) stops as step 5, the apply step, begins. Group 0 fails within fed_timeout_s,
+    not the 600 s ddp_timeout: waiting for the exchange of step 4 if rank 3 stopped before its worker sent its part,
+    else at step 8's averaging (the apply itself runs no collective across groups). No logging before then: the
+    Trainer's loss gather at a log spans the world under ddp_timeout."""
     args = ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, "--fed_group_size", "2", "--fed_sync_steps", "4",
             "--fed_sync_overlap", "1", "--max_steps", "8", "--ddp_timeout", "600", "--fed_timeout_s", "10",
-            "--stop_at_step", "5", "--fault_rank", "3"]  # fmt: skip
+            "--stop_at_step", "5", "--fault_rank", "3", "--logging_steps", "100"]  # fmt: skip
     result = torchrun(4, SCRIPT, args, timeout_s=400)
     ended = time.time()
     assert result.returncode != 0
     stopped = float(re.search(r"rank 3 stopping at ([\d.]+)", result.stdout).group(1))
     assert ended - stopped < 10 + 60, result.stdout[-3000:]
-    assert (
-        "an exchange across federation groups failed at step 5: another group stopped answering (no reply within "
-        "fed_timeout_s=10 seconds)"
-    ) in result.stdout
+    assert re.search(
+        r"an exchange across federation groups failed at step [48]: another group stopped answering \(no reply "
+        r"within fed_timeout_s=10 seconds\)",
+        result.stdout,
+    )
     assert not _processes_mentioning(str(tmp_path))
 
 

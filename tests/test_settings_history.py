@@ -11,16 +11,16 @@ import copy
 import pytest
 import torch
 
-from hf_fedshard.card import averaging_description
-from hf_fedshard.fragments import Schedule
-from hf_fedshard.outer import OuterOptimizer
-from hf_fedshard.settings_history import (
+from hf_fedshard.engine.fragments import Schedule
+from hf_fedshard.engine.outer import OuterOptimizer
+from hf_fedshard.engine.settings_history import (
     AveragingSettings,
     describe_history,
     history_from_state,
     history_to_state,
     settings_of_outer_state,
 )
+from hf_fedshard.integrations.card import averaging_description
 
 START = torch.tensor([1.0, -2.0, 0.5, 3.0])
 FIRST, SECOND = torch.tensor([0.3, -0.1, 0.2, 0.05]), torch.tensor([-0.2, 0.4, 0.1, -0.3])  # mean Δ of two averagings

@@ -35,7 +35,7 @@ from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback, defau
 
 from benchmarks.harness.netns import RACK_NETNS_ENV, TRUNK, UPLINK
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
-from hf_fedshard.models import PRESETS, build_model
+from hf_fedshard.tools.models import PRESETS, build_model
 
 UPLINK_STATS = Path(f"/sys/class/net/{UPLINK}/statistics")
 

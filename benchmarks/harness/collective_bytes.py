@@ -1,10 +1,12 @@
-"""Bytes that a rank hands to collectives spanning several federation groups, per optimizer step.
+"""Bytes that a rank hands to collectives spanning several federation groups, per optimizer step, and how many
+of those collectives the averaging engine ran.
 
 On a real cluster those collectives cross the slow tier between groups. The counter wraps the
-``torch.distributed`` functions that Trainer, Accelerate, TRL and hf_fedshard call (and the all-reduce that
-``hf_fedshard.averaging`` imports by name), so it sees every collective issued from Python; FSDP2's own
-collectives run inside the group and are not counted. A collective's bytes are those of this rank's input
-tensor (for ``all_gather_object``, its pickle), the payload it contributes.
+``torch.distributed`` functions that Trainer, Accelerate and TRL call, and those that
+``hf_fedshard.engine.communicator`` imports by name (every cross-group collective of hf_fedshard goes through
+it), so it sees every collective issued from Python; FSDP2's own collectives run inside the group and are not
+counted. A collective's bytes are those of this rank's input tensor (for ``all_gather_object``, its pickle), the
+payload it contributes.
 
 Used by ``tests/scripts/train_sft.py`` (``--count_cross_group_bytes``) to measure the SFT path.
 """
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-import hf_fedshard.averaging
+import hf_fedshard.engine.communicator
 
 # Each wrapped function and the name of its argument holding this rank's contribution.
 _COLLECTIVES = {
@@ -32,7 +34,10 @@ _COLLECTIVES = {
     "reduce_scatter_tensor": "input",
     "broadcast": "tensor",
     "all_gather_object": "obj",
+    "all_gather_single": "input_tensor",
+    "all_to_all_single": "input",
 }
+_ENGINE_COLLECTIVES = ("all_reduce", "all_gather_single", "all_to_all_single")
 
 
 def _payload_bytes(data: Any) -> int:
@@ -53,6 +58,7 @@ class CrossGroupBytes(TrainerCallback):
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
         self.per_step: dict[int, int] = defaultdict(int)
+        self.engine_calls: dict[int, int] = defaultdict(int)  # cross-group collectives of hf_fedshard's engine
         self.step = 0
         self._originals: list[tuple[Any, str, Callable]] = []
 
@@ -60,7 +66,7 @@ class CrossGroupBytes(TrainerCallback):
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         return len({rank // self.group_size for rank in ranks}) > 1
 
-    def _wrap(self, fn: Callable, payload: str) -> Callable:
+    def _wrap(self, fn: Callable, payload: str, engine: bool) -> Callable:
         signature = inspect.signature(fn)
 
         @functools.wraps(fn)
@@ -68,16 +74,18 @@ class CrossGroupBytes(TrainerCallback):
             bound = signature.bind(*args, **kwargs).arguments
             if self._spans_groups(bound.get("group")):
                 self.per_step[self.step] += _payload_bytes(bound[payload])
+                self.engine_calls[self.step] += engine
             return fn(*args, **kwargs)
 
         return counted
 
     def install(self) -> CrossGroupBytes:
-        targets = [(dist, name) for name in _COLLECTIVES] + [(hf_fedshard.averaging, "all_reduce")]
+        engine = hf_fedshard.engine.communicator
+        targets = [(dist, name) for name in _COLLECTIVES] + [(engine, name) for name in _ENGINE_COLLECTIVES]
         for module, name in targets:
             original = getattr(module, name)
             self._originals.append((module, name, original))
-            setattr(module, name, self._wrap(original, _COLLECTIVES[name]))
+            setattr(module, name, self._wrap(original, _COLLECTIVES[name], module is engine))
         return self
 
     def uninstall(self) -> None:

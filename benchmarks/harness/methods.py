@@ -132,7 +132,7 @@ def prepare_data(cfg: BenchConfig, cache: Path) -> Path:
     """Tokenizer and packed Shakespeare blocks, made once and loaded by every rank of every method."""
     from datasets import disable_progress_bars
 
-    from hf_fedshard.data import load_text, pack, train_bpe_tokenizer
+    from hf_fedshard.tools.data import load_text, pack, train_bpe_tokenizer
 
     disable_progress_bars()
 

@@ -7,7 +7,7 @@ Definitions (the same for every method):
 - throughput: world tokens per second over windows of H consecutive steps after the warm-up window, each
   window ending with a sync (so the averaging is paid for); the median over windows;
 - inter-node bytes: the uplinks' ``tx_bytes`` summed over nodes, over the optimizer steps only (evaluations
-  left out), divided by the number of steps; predicted by :mod:`hf_fedshard.cost` with gloo's reduce-scatter;
+  left out), divided by the number of steps; predicted by :mod:`hf_fedshard.tools.cost` with gloo's reduce-scatter;
   inter-rack bytes (three tiers): the same for the racks' trunks;
 - eval perplexity at equal tokens: after the last step (every method reads the same tokens per step);
   at equal wall time: the last evaluation made within T*, the training clock of the fastest real method.
@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hf_fedshard.cost import GLOO, ModelCost, Network, method_layouts, step_cost, sync_bytes_per_value
-from hf_fedshard.mesh import FederationLayout
+from hf_fedshard.tools.cost import GLOO, ModelCost, Network, method_layouts, step_cost, sync_bytes_per_value
+from hf_fedshard.transports.mesh import FederationLayout
 
 AVERAGING = ("FL+FSDP", "FL+HSDP", "LocalSGD")
 BYTES_TOLERANCE = 0.15
@@ -173,7 +173,7 @@ def summarize_method(method: str, records: list[dict], cfg: dict) -> dict:
 
 
 def targets(methods: dict, three_tier: bool = False) -> list[dict]:
-    """The issue's targets, each with the measured value and whether it is met (only for methods that ran)."""
+    """The targets, each with the measured value and whether it is met (only for methods that ran)."""
 
     def ratio(a: str, b: str, key: str = "tokens_per_s") -> float | None:
         return methods[a][key] / methods[b][key] if a in methods and b in methods else None

@@ -7,7 +7,7 @@ Without ``destroy_gloo_groups_at_exit`` this aborts at interpreter exit in about
 import torch
 import torch.distributed as dist
 
-from hf_fedshard.mesh import destroy_gloo_groups_at_exit
+from hf_fedshard.transports.mesh import destroy_gloo_groups_at_exit
 
 dist.init_process_group("gloo")
 destroy_gloo_groups_at_exit()

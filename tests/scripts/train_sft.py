@@ -27,7 +27,7 @@ from transformers import HfArgumentParser, PreTrainedTokenizerFast
 from trl import SFTTrainer
 
 from benchmarks.harness.collective_bytes import CrossGroupBytes  # the launcher puts the checkout on PYTHONPATH
-from hf_fedshard.mesh import destroy_gloo_groups_at_exit
+from hf_fedshard.transports.mesh import destroy_gloo_groups_at_exit
 from hf_fedshard.trl import FedShardSFTConfig, FedShardSFTTrainer
 
 
@@ -80,6 +80,7 @@ def main(argv: list[str]) -> None:
         "log_history": trainer.state.log_history,
         "eval": metrics,
         "cross_group_bytes": dict(counter.per_step),
+        "engine_calls": dict(counter.engine_calls),
         "initial_params": initial,
         "trainable": [n for n, p in named if p.requires_grad],
         "full_params": {n: full_tensor(p) for n, p in named},

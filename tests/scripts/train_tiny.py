@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, set_seed
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
-from hf_fedshard.mesh import destroy_gloo_groups_at_exit
+from hf_fedshard.transports.mesh import destroy_gloo_groups_at_exit
 
 SEQ_LEN = 16
 VOCAB = 128
@@ -170,10 +170,11 @@ class EvalParamsRecorder:
 
 
 class SyncRecorder(TrainerCallback):
-    """Wraps FedAvgCallback's averagings and its exchange: full parameters around each blocking averaging (and
+    """Wraps the averager's averagings and its exchange: full parameters around each blocking averaging (and
     the fragments it covered), at each overlapped start and around each apply; local Δ and mean Δ.
 
-    Runs after FedAvgCallback, so ``on_train_begin`` sees the first anchor (the averaged initial weights).
+    Runs after FedAvgCallback, so ``on_train_begin`` sees the averager and the first anchor (the averaged initial
+    weights).
     """
 
     def __init__(self, trainer: FedShardTrainer) -> None:
@@ -185,34 +186,37 @@ class SyncRecorder(TrainerCallback):
         self.exchanges: dict[int, tuple[list, list]] = {}
         self.start: dict[str, torch.Tensor] = {}
         self.fragment_names: list[list[str]] = []
-        callback = trainer.fed_callback
-        self._sync, self._start, self._apply = callback.sync, callback.start, callback.apply
-        self._mean = callback.exchange.mean
-        callback.sync, callback.start, callback.apply = self.sync, self.start_exchange, self.apply
-        callback.exchange.mean = self.mean
 
     def full_params(self) -> dict[str, torch.Tensor]:
         return {n: full_tensor(p) for n, p in self.trainer.model.named_parameters()}
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = self.full_params()
+        averager = self.trainer.fed_callback.averager
         names = [n for n, p in self.trainer.model.named_parameters() if p.requires_grad]
-        self.fragment_names = [names[a:b] for a, b in self.trainer.fed_callback.ranges]
+        self.fragment_names = [names[f.start : f.stop] for f in averager.fragments]
+        self._average, self._start, self._apply = averager._average, averager._start, averager._apply
+        self._mean = averager.exchange.mean
+        averager._average, averager._start, averager._apply = self.average, self.start_exchange, self.apply
+        averager.exchange.mean = self.mean
 
-    def sync(self, model, optimizer, step: int, fragments=None) -> None:
+    def average(self, indices) -> None:
+        step = self.trainer.fed_callback.averager.step_count
         before = self.full_params()
-        self._sync(model, optimizer, step, fragments)
+        self._average(indices)
         self.params[step] = (before, self.full_params())
-        self.fragments[step] = list(range(len(self.fragment_names)) if fragments is None else fragments)
+        self.fragments[step] = list(indices)
 
-    def start_exchange(self, model, fragment: int, step: int) -> None:
-        self.starts[step] = (fragment, self.full_params())
-        self._start(model, fragment, step)
+    def start_exchange(self, fragment) -> None:
+        step = self.trainer.fed_callback.averager.step_count
+        self.starts[step] = (fragment.index, self.full_params())
+        self._start(fragment)
 
-    def apply(self, model, optimizer, step: int) -> None:
-        flight = self.trainer.fed_callback._in_flight
+    def apply(self, fragment) -> None:
+        step = self.trainer.fed_callback.averager.step_count
+        flight = fragment.in_flight
         before = self.full_params()
-        self._apply(model, optimizer, step)
+        self._apply(fragment)
         self.applies[step] = (flight.fragment, flight.start_step, before, self.full_params())
 
     def mean(self, tensors, contributors):
@@ -293,13 +297,14 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(module, FSDPModule):
             module.reshard()
     param = next(trainer.model.parameters())
+    averager = trainer.fed_callback.averager if getattr(trainer, "fed_callback", None) else None
     dump = {
         "log_history": trainer.state.log_history,
         "eval": metrics,
         "seen": seen,
         "checksums": recorder.checksums,
         "started_at_step": recorder.started_at_step,
-        "fed_counters": trainer.fed_callback.state_dict() if getattr(trainer, "fed_callback", None) else None,
+        "fed_counters": averager.state_dict()["counters"] if averager else None,
         "params_before_export": exporter.params_before if exporter else None,
         "params_after_export": exporter.params_after if exporter else None,
         "sync_params": syncs.params if syncs else None,

@@ -8,13 +8,13 @@ where they would). A federated ``checkpoint-N/`` holds::
     fed_layout.json                   layout and model fingerprint: resuming elsewhere fails with one clear line
     fed_group{g}/model/               DCP checkpoint of group g's model shards, written by group g's ranks only
     fed_group{g}/optimizer/           DCP checkpoint of group g's optimizer state
-    fed_group{g}/fedavg_rank{r}.json  FedAvg counters of rank r (syncs, bytes sent, last averaged step, ...)
+    fed_group{g}/fedavg_rank{r}.json  averaging counters of rank r (syncs, bytes sent, last averaged step, ...)
     fed_group{g}/in_flight_rank{r}.pt rank r's overlapped exchange in flight at the save (its snapshot and mean
                                       Δ, to apply at its scheduled step after a resume); absent when none was
     fed_outer/position{p}.pt          anchor and outer momentum of the shards at position p of a group
                                       (equal in every group: group 0 writes them, every group reads them)
     config.json, scheduler.pt, rng_state_{r}.pth, trainer_state.json   Trainer's own files
-    manifest.json                     every other file's size and SHA-256, written last (`hf_fedshard.manifest`)
+    manifest.json                     every other file's size and SHA-256, written last (`checkpointing.manifest`)
 
 Everything is written into ``tmp-checkpoint-N/`` and renamed to ``checkpoint-N/`` once every rank has finished,
 so a job killed while saving leaves the previous checkpoints intact and no ``checkpoint-N`` that looks complete
@@ -48,9 +48,9 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .errors import ConfigError
-from .manifest import write_manifest
-from .mesh import FederationLayout
+from hf_fedshard.checkpointing.manifest import write_manifest
+from hf_fedshard.errors import ConfigError
+from hf_fedshard.transports.mesh import FederationLayout
 
 FED_LAYOUT_NAME = "fed_layout.json"
 OUTER_DIR = "fed_outer"
@@ -255,7 +255,7 @@ def atomic_checkpoint(final_dir: str, is_writer: bool) -> Iterator[str]:
 
     ``is_writer`` (Trainer's ``should_save``) prepares and renames, on the shared file system that DCP needs.
     A collective over the world: the barriers make the rename wait for the slowest rank's last byte, and the
-    manifest (`hf_fedshard.manifest`) is written once every file is there.
+    manifest (`hf_fedshard.checkpointing.manifest`) is written once every file is there.
     """
     run_dir, name = os.path.split(final_dir)
     staging = os.path.join(run_dir, STAGING_PREFIX + name)
@@ -303,7 +303,7 @@ def in_flight_path(checkpoint: str | Path, group: int, rank: int) -> str:
 
 
 def save_in_flight_state(checkpoint: str, group: int, rank: int, state: dict | None) -> None:
-    """Write this rank's exchange in flight, if there is one (`FedAvgCallback.in_flight_state_dict`)."""
+    """Write this rank's exchange in flight, if there is one."""
     if state is not None:
         torch.save(state, in_flight_path(checkpoint, group, rank))
 
@@ -316,3 +316,25 @@ def load_in_flight_state(checkpoint: str, group: int, rank: int, device: torch.d
     location = "cpu" if device.type == "cpu" else device  # torch.load does not restore onto "cpu:0"
     with reading(path):
         return torch.load(path, map_location=location, weights_only=True)
+
+
+def save_averaging_state(checkpoint: str, layout: FederationLayout, rank: int, state: dict) -> None:
+    """Write rank ``rank``'s `FederatedAverager.state_dict` into its files: counters and exchange in flight in its
+    group's folder, the outer state (equal in every group) by group 0's ranks in ``fed_outer/``."""
+    group = layout.group_index(rank)
+    os.makedirs(group_dir(checkpoint, group), exist_ok=True)
+    write_counters(checkpoint, group, rank, state["counters"])
+    save_in_flight_state(checkpoint, group, rank, state["in_flight"])
+    if group == 0:
+        save_outer_state(checkpoint, layout.position(rank), state["outer"])
+
+
+def load_averaging_state(checkpoint: str, layout: FederationLayout, rank: int, device: torch.device) -> dict:
+    """`save_averaging_state`'s files as rank ``rank``'s `FederatedAverager.state_dict` (without ``step``, which
+    the Trainer's state holds)."""
+    group = layout.group_index(rank)
+    return {
+        "counters": read_counters(checkpoint, group, rank),
+        "in_flight": load_in_flight_state(checkpoint, group, rank, device),
+        "outer": load_outer_state(checkpoint, layout.position(rank)),
+    }

@@ -21,8 +21,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import nn
 
-from .arguments import FedShardTrainingArguments
-from .checkpoint import (
+from hf_fedshard.checkpointing.checkpoint import (
     FED_LAYOUT_NAME,
     OUTER_DIR,
     CheckpointReadError,
@@ -32,9 +31,10 @@ from .checkpoint import (
     outer_state_path,
     set_aside,
 )
-from .errors import ConfigError
-from .manifest import MANIFEST_NAME, checksum_problem, read_manifest, size_problem
-from .mesh import FederationLayout
+from hf_fedshard.checkpointing.manifest import MANIFEST_NAME, checksum_problem, read_manifest, size_problem
+from hf_fedshard.errors import ConfigError
+from hf_fedshard.integrations.arguments import FedShardTrainingArguments
+from hf_fedshard.transports.mesh import FederationLayout
 
 logger = logging.getLogger(__name__)
 

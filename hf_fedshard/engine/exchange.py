@@ -1,6 +1,6 @@
 """The exchange: the mean over federation groups of each rank's fp32 payload, sent in the wire dtype.
 
-Rule, for G contributing groups, codec encode E and decode D (`hf_fedshard.codec`)::
+Rule, for G contributing groups, codec encode E and decode D (`hf_fedshard.engine.codec`)::
 
     mean = D(E(Σ_g D(E(x_g)) / G))
 
@@ -14,56 +14,20 @@ FL+HSDP split exchange: the Q replicas of a group hold the same shard, so replic
 the payload (1/Q of it) across groups, then the group all-gathers the Q means over its replicas (fast tier):
 the slow tier carries the payload once per group instead of Q times.
 
-Collectives go through a `Communicator`, so the arithmetic is tested in-process with a fake one.
+Collectives go through a `Communicator` (`hf_fedshard.engine.communicator`), so the arithmetic is tested
+in-process with a fake one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.distributed import ProcessGroup, ReduceOp, all_gather_single, all_reduce, all_to_all_single
 
-from .averaging import BUCKET_BYTES
-from .codec import Encoded, alignment, decode, encode
-
-
-class Communicator(Protocol):
-    """The collectives the exchange needs, over one group of ranks."""
-
-    def size(self) -> int: ...
-
-    def rank(self) -> int: ...
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None: ...
-
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
-
-
-class ProcessGroupCommunicator:
-    """A `Communicator` over a torch.distributed process group (gloo or NCCL)."""
-
-    def __init__(self, group: ProcessGroup) -> None:
-        self.group = group
-
-    def size(self) -> int:
-        return torch.distributed.get_world_size(self.group)
-
-    def rank(self) -> int:
-        return torch.distributed.get_rank(self.group)
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        all_reduce(tensor, op=ReduceOp.SUM, group=self.group)
-
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        all_to_all_single(output, input, group=self.group)
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        all_gather_single(output, input, group=self.group)
+from hf_fedshard.engine.codec import Encoded, alignment, decode, encode
+from hf_fedshard.engine.communicator import Communicator
+from hf_fedshard.engine.payload import BUCKET_BYTES
 
 
 def _pad(x: torch.Tensor, multiple: int) -> torch.Tensor:

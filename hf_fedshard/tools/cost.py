@@ -1,4 +1,6 @@
-"""Communication cost model of FSDP, HSDP, FL+FSDP and FL+HSDP on tiered networks (``python -m hf_fedshard.cost``).
+"""Communication cost model of FSDP, HSDP, FL+FSDP and FL+HSDP on tiered networks.
+
+Run ``python -m hf_fedshard.tools.cost`` for the paper's setting.
 
 Two tiers: ranks of one node talk over a fast fabric (NVLink; loopback in the emulated cluster), nodes over a
 slow network (InfiniBand or Ethernet; a rate-limited veth in the emulation). Groups are blocks of contiguous
@@ -78,13 +80,13 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from .averaging import BUCKET_BYTES
-from .codec import INT8_BLOCK
-from .mesh import FederationLayout
+from hf_fedshard.engine.codec import INT8_BLOCK
+from hf_fedshard.engine.payload import BUCKET_BYTES
+from hf_fedshard.transports.mesh import FederationLayout
 
 RING = 1.0  # reduce-scatter bytes as a fraction of an all-reduce's (NCCL ring)
 GLOO = 2.0  # torch's gloo reduce_scatter_tensor all-reduces the input: measured by benchmarks/gloo_collectives.py
-FEDAVG_BYTES = 4  # hf_fedshard.averaging accumulates and sends in fp32 (or wider)
+FEDAVG_BYTES = 4  # hf_fedshard.engine.payload accumulates and sends in fp32 (or wider)
 
 
 def sync_bytes_per_value(sync_dtype: str) -> float:
@@ -202,7 +204,7 @@ def ring_hops(ring: Iterable[int], ranks_per_node: int) -> tuple[int, int]:
 
 
 def layout_rings(layout: FederationLayout) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """Every distinct ring of each mesh axis: rank = group × G + replica × S + shard (see hf_fedshard.mesh)."""
+    """Every distinct ring of each mesh axis: rank = group × G + replica × S + shard (see transports.mesh)."""
     groups, replicas, shards = layout.shape
     g_size, s_size = layout.group_size, layout.shard_size
     return {

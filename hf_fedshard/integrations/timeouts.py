@@ -17,6 +17,8 @@ import torch.distributed as dist
 from accelerate import PartialState
 from transformers import TrainingArguments
 
+from hf_fedshard.engine.failures import peer_died
+
 
 def _uses_cpu(args: TrainingArguments) -> bool:
     """The condition of Transformers' CPU branch of ``_setup_devices`` (the one that drops ``ddp_timeout``)."""
@@ -47,14 +49,6 @@ def explain_stalled_collectives(step: Callable[[], int], ddp_timeout: float) -> 
             f"within ddp_timeout={ddp_timeout:g} seconds). Check the other ranks' logs; if they are only "
             f"slow, raise --ddp_timeout. Cause: {err}"
         ) from err
-
-
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def peer_died(err: BaseException) -> bool:
-    """Whether a collective failed because a peer's process is gone (its sockets closed), not because it is slow."""
-    return any(text in str(err) for text in _PEER_GONE)
 
 
 def _is_collective_failure(err: RuntimeError) -> bool:

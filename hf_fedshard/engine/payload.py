@@ -1,8 +1,8 @@
-"""FedAvg on shards: average each rank's local shards with the ranks holding the same shards in other groups.
+"""The payload: which local shards an averaging moves, and their plain mean over groups.
 
 No full parameter is ever gathered: under FSDP2 every parameter is a DTensor and ``to_local()`` is this rank's
 shard; the ranks at the same (replica, shard) position of every group hold shards of identical shapes, so one
-all-reduce along the mesh's ``fed`` axis averages them. Sums are accumulated in fp32 (or wider) whatever the
+all-reduce over the peers (one rank per group) averages them. Sums are accumulated in fp32 (or wider) whatever the
 parameter dtype, and divided by the number of groups afterwards because gloo has no AVG reduction.
 """
 
@@ -12,9 +12,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup, ReduceOp, all_reduce
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from hf_fedshard.engine.communicator import Communicator
 
 # Sync payloads are cut into buckets of this size so that averaging an 8B model does not need a second
 # fp32 copy of the whole local shard at once; one all-reduce per bucket.
@@ -91,18 +92,18 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
 
 
 @torch.no_grad()
-def average_across_groups(
+def plain_mean_over_groups(
     tensors: Sequence[torch.Tensor],
-    group: ProcessGroup,
-    num_groups: int,
-    bucket_bytes: int = BUCKET_BYTES,
+    peers: Communicator,
+    contributors: int,
     contribute: bool = True,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> int:
-    """Replace every tensor (in place) by its mean over ``group``; return the payload bytes this rank sent.
+    """Replace every tensor (in place) by its plain mean over ``peers``; return the payload bytes this rank sent.
 
-    All ranks of ``group`` must pass tensors of the same shapes and dtypes in the same order. A rank with
-    ``contribute=False`` (its group diverged) adds zeros, not its values, and receives the mean of the others:
-    ``num_groups`` is then the number of contributing groups.
+    No outer step and no anchor: for buffers, the initial weights and the temporary global model. All peers must
+    pass tensors of the same shapes and dtypes in the same order. A rank with ``contribute=False`` (its group
+    diverged) adds zeros, not its values, and receives the mean of the ``contributors`` other groups.
     """
     sent = 0
     for bucket in _buckets(tensors, bucket_bytes):
@@ -111,9 +112,22 @@ def average_across_groups(
         else:  # NaN × 0 is NaN: send true zeros
             numel = sum(t.numel() for t in bucket)
             flat = torch.zeros(numel, dtype=_accumulation_dtype(bucket[0]), device=bucket[0].device)
-        all_reduce(flat, op=ReduceOp.SUM, group=group)
-        flat.div_(num_groups)
+        peers.all_reduce_sum(flat)
+        flat.div_(contributors)
         sent += flat.numel() * flat.element_size()
         for tensor, mean in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
             tensor.copy_(mean.view_as(tensor))
     return sent
+
+
+@torch.no_grad()
+def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Zero every tensor of the optimizer state (moments and step counts) in place.
+
+    For Adam/AdamW (and SGD without dampening) a zeroed state steps exactly like a fresh one. Emptying the state
+    instead would make the next checkpoint's `get_optimizer_state_dict` run an initialising step of its own.
+    """
+    for state in getattr(optimizer, "optimizer", optimizer).state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                value.zero_()

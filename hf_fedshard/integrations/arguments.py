@@ -21,14 +21,15 @@ import torch
 from transformers import TrainingArguments
 from transformers.trainer_utils import IntervalStrategy
 
-from .codec import SYNC_DTYPES
-from .errors import ConfigError
-from .fragments import Schedule
-from .mesh import FederationLayout
-from .notices import notice as _notice
-from .outer import NESTEROV_DEFAULTS, OUTER_OPTIMIZERS, outer_hyperparameters
-from .settings_history import AveragingSettings
-from .timeouts import start_world_process_group
+from hf_fedshard.engine.codec import SYNC_DTYPES
+from hf_fedshard.engine.fragments import Schedule
+from hf_fedshard.engine.options import AveragingOptions
+from hf_fedshard.engine.outer import NESTEROV_DEFAULTS, OUTER_OPTIMIZERS
+from hf_fedshard.engine.settings_history import AveragingSettings
+from hf_fedshard.errors import ConfigError
+from hf_fedshard.integrations.timeouts import start_world_process_group
+from hf_fedshard.notices import notice as _notice
+from hf_fedshard.transports.mesh import FederationLayout
 
 
 def _env_flag(name: str) -> bool:
@@ -186,19 +187,9 @@ class FedShardArgumentsMixin:
 
     def __post_init__(self) -> None:
         # Adjust FSDP, use_cpu and token averaging before TrainingArguments reads them.
-        if self.fed_sync_steps < 1:
-            raise ConfigError(
-                f"fed_sync_steps={self.fed_sync_steps}: it must be at least 1. Set --fed_sync_steps to the "
-                "number of optimizer steps between averagings (the paper uses 8)."
-            )
-        if self.fed_timeout_s is not None and not self.fed_timeout_s > 0:
-            raise ConfigError(
-                f"fed_timeout_s={self.fed_timeout_s}: it must be a positive number of seconds. Set --fed_timeout_s "
-                "above the longest expected wait of one group for the others (or leave it unset)."
-            )
-        self._check_outer_settings()
+        options = self.fed_averaging_options  # checks the averaging settings, one line each
         layout = self.fed_layout  # validates the sizes against WORLD_SIZE before any process group exists
-        if layout.federated and 0 < self.max_steps < self.fed_sync_steps:
+        if layout.federated and 0 < self.max_steps < options.sync_steps:
             _notice(
                 "max_steps=%d < fed_sync_steps=%d: no averaging happens before the final one after "
                 "step %d. Lower --fed_sync_steps or raise --max_steps.",
@@ -239,51 +230,32 @@ class FedShardArgumentsMixin:
         """Seconds an averaging waits for the other groups: ``fed_timeout_s``, else ``ddp_timeout``."""
         return self.fed_timeout_s if self.fed_timeout_s is not None else self.ddp_timeout
 
-    def _check_outer_settings(self) -> None:
-        """The outer optimizer and wire dtype: one line each, before any process group exists."""
-        if self.fed_outer_optimizer not in OUTER_OPTIMIZERS:
-            raise ConfigError(
-                f"fed_outer_optimizer={self.fed_outer_optimizer!r} is unknown. Set --fed_outer_optimizer to one of "
-                f"{', '.join(OUTER_OPTIMIZERS)}."
-            )
-        if self.fed_sync_dtype not in SYNC_DTYPES:
-            raise ConfigError(
-                f"fed_sync_dtype={self.fed_sync_dtype!r} is unknown. Set --fed_sync_dtype to one of "
-                f"{', '.join(SYNC_DTYPES)}."
-            )
-        if self.fed_outer_optimizer == "fedavg" and (self.fed_outer_lr, self.fed_outer_momentum) != (None, None):
-            raise ConfigError(
-                "fed_outer_lr/fed_outer_momentum apply to fed_outer_optimizer='nesterov'; fedavg is the plain "
-                "average (lr 1, no momentum). Add --fed_outer_optimizer nesterov, or drop them."
-            )
-        self.fed_schedule.validate()
-        if self.fed_schedule.streaming and self.fed_average_optimizer_state:
-            raise ConfigError(
-                "fed_average_optimizer_state averages the moments in blocking averagings only; drop it, or set "
-                "--fed_sync_fragments 1 --fed_sync_overlap 0."
-            )
-        lr, momentum = self.fed_outer
-        if not lr > 0:
-            raise ConfigError(f"fed_outer_lr={lr}: it must be positive. Set --fed_outer_lr above 0 (DiLoCo: 0.7).")
-        if not 0 <= momentum < 1:
-            raise ConfigError(
-                f"fed_outer_momentum={momentum}: it must be in [0, 1). Set --fed_outer_momentum to e.g. 0.9."
-            )
-
     @property
-    def fed_outer(self) -> tuple[float, float]:
-        """(lr, momentum) of the outer SGD, defaults filled in: (1, 0) for fedavg."""
-        return outer_hyperparameters(self.fed_outer_optimizer, self.fed_outer_lr, self.fed_outer_momentum)
+    def fed_averaging_options(self) -> AveragingOptions:
+        """The averaging settings as the engine takes them (`FederatedAverager`'s keywords), checked on construction."""
+        return AveragingOptions(
+            sync_steps=self.fed_sync_steps,
+            average_optimizer_state=self.fed_average_optimizer_state,
+            outer_optimizer=self.fed_outer_optimizer,
+            outer_lr=self.fed_outer_lr,
+            outer_momentum=self.fed_outer_momentum,
+            sync_dtype=self.fed_sync_dtype,
+            split_exchange=self.fed_split_exchange,
+            sync_fragments=self.fed_sync_fragments,
+            sync_overlap=self.fed_sync_overlap,
+            outer_state_on_device=self.fed_outer_state_on_device,
+            timeout_s=self.fed_timeout_s,
+        )
 
     @property
     def fed_averaging_settings(self) -> AveragingSettings:
         """The outer optimizer and wire dtype as the averagings use (and checkpoints record) them."""
-        return AveragingSettings(self.fed_outer_optimizer, *self.fed_outer, self.fed_sync_dtype)
+        return self.fed_averaging_options.settings
 
     @property
     def fed_schedule(self) -> Schedule:
-        """When each fragment of the model averages (`hf_fedshard.fragments`)."""
-        return Schedule(self.fed_sync_steps, self.fed_sync_fragments, self.fed_sync_overlap)
+        """When each fragment of the model averages (`hf_fedshard.engine.fragments`)."""
+        return self.fed_averaging_options.schedule
 
     @property
     def fed_requested(self) -> bool:

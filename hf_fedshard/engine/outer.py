@@ -102,7 +102,7 @@ class OuterOptimizer:
         """The checkpoint's anchor and momentum buffer, stepped with this optimizer's own lr and momentum.
 
         `torch.optim.Optimizer.load_state_dict` would restore the checkpoint's hyperparameters too, silently undoing
-        settings changed at a resume (`hf_fedshard.settings_history`). Without momentum the buffer is dropped.
+        settings changed at a resume (`hf_fedshard.engine.settings_history`). Without momentum the buffer is dropped.
         """
         for anchor, saved in zip(self.anchor, state["anchor"], strict=True):
             anchor.copy_(saved)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
-from .errors import ConfigError
+from hf_fedshard.errors import ConfigError
 
 
 def _shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, **extra) -> dict:
@@ -19,7 +19,7 @@ def _shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: in
     )
 
 
-# Architecture only: vocab_size comes from the tokenizer. `python -m hf_fedshard.models` prints the
+# Architecture only: vocab_size comes from the tokenizer. `python -m hf_fedshard.tools.models` prints the
 # parameter counts (8k vocabulary for the small ones, Llama 3's 128,256 tokens for the last two).
 PRESETS: dict[str, dict] = {
     "micro": _shape(64, 176, 2, 4, 2),  # 1.1 M: tests

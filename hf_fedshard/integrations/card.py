@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 from huggingface_hub import EvalResult, ModelCard
 from transformers import TrainerCallback, TrainerState
 
-from .settings_history import History, describe_history
+from hf_fedshard.engine.settings_history import History, describe_history
 
 if TYPE_CHECKING:
-    from .fragments import Schedule
-    from .trainer import FedShardTrainer
+    from hf_fedshard.engine.fragments import Schedule
+    from hf_fedshard.integrations.trainer import FedShardTrainer
 
 TEMPLATE = Path(__file__).parent / "templates" / "card_section.md"
 PLOT_NAME = "training_curves.png"

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from .errors import ConfigError
+from hf_fedshard.engine.outer import OuterOptimizer
+from hf_fedshard.engine.overlap import InFlight
+from hf_fedshard.errors import ConfigError
 
 START, APPLY, SYNC = "start", "apply", "sync"  # SYNC: start and apply on the same step (τ = 0)
 
@@ -146,3 +149,23 @@ def fragment_ranges(model: nn.Module, params: list[nn.Parameter], parts: int) ->
         ranges.append((bounds[first][0], bounds[first + count - 1][1]))
         first += count
     return ranges
+
+
+@dataclass
+class Fragment:
+    """One fragment of the trainable state: its parameters, anchor and outer optimizer, and its exchange in flight.
+
+    ``start``/``stop`` index the trainable parameters (whole FSDP units); ``averaged_at`` is the last step at which
+    every group held the same values of it (a blocking averaging); ``in_flight`` its overlapped exchange, if any.
+    """
+
+    index: int
+    start: int
+    stop: int
+    outer: OuterOptimizer
+    averaged_at: int = 0
+    in_flight: InFlight | None = None
+
+    def of(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This fragment's share of the trainable shards ``params``."""
+        return params[self.start : self.stop]

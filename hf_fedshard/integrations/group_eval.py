@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 
 import datasets
 import torch
-from torch.distributed import ProcessGroup, ReduceOp, all_reduce, get_rank, get_world_size
+from torch.distributed import ProcessGroup, all_reduce, get_rank, get_world_size
 from torch.utils.data import Dataset
 
-from .errors import ConfigError
+from hf_fedshard.engine import Communicator
+from hf_fedshard.errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -36,12 +37,11 @@ def rank_batches(num_samples: int, rank: int, world: int, batch_size: int) -> li
 
 
 @torch.no_grad()
-def evaluate_each_group(
-    trainer: Trainer, group: ProcessGroup | None, fed_group: ProcessGroup, num_groups: int
-) -> dict[str, float]:
+def evaluate_each_group(trainer: Trainer, group: ProcessGroup | None, peers: Communicator) -> dict[str, float]:
     """``eval_group{g}_loss`` of every group's own model (the sample mean, as `eval_loss`), on every rank.
 
-    A collective over the world: each group over its own ranks, then one float per group along ``fed``.
+    A collective over the world: each group over its own ranks (``group``; ``None``: one rank), then one float per
+    group over ``peers`` (this rank's peers in the other groups).
     """
     dataset = trainer.eval_dataset
     collator = trainer.data_collator
@@ -61,9 +61,9 @@ def evaluate_each_group(
     totals = totals.to(device)
     if group is not None:
         all_reduce(totals, group=group)
-    losses = torch.zeros(num_groups, dtype=torch.float64, device=device)
-    losses[get_rank(fed_group)] = totals[0] / totals[1]
-    all_reduce(losses, op=ReduceOp.SUM, group=fed_group)
+    losses = torch.zeros(peers.size(), dtype=torch.float64, device=device)
+    losses[peers.rank()] = totals[0] / totals[1]
+    peers.all_reduce_sum(losses)
     return {f"eval_group{g}_loss": loss for g, loss in enumerate(losses.tolist())}
 
 

@@ -14,14 +14,15 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator, ParallelismConfig, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import TrainingArguments
 
-from .errors import ConfigError
-from .mesh import FederationLayout
+from hf_fedshard.errors import ConfigError
+from hf_fedshard.transports.mesh import FederationLayout, MeshAxis
 
 
 def requested_fsdp_plugin(args: TrainingArguments) -> FullyShardedDataParallelPlugin | None:
@@ -63,7 +64,7 @@ def use_federation_mesh(accelerator: Accelerator, layout: FederationLayout) -> D
             f"WORLD_SIZE({layout.world_size}) != Accelerate's num_processes({accelerator.num_processes}). "
             "Launch every process with torchrun or accelerate launch."
         )
-    config = layout.parallelism_config()
+    config = parallelism_config(layout)
     accelerator.state.parallelism_config = config
     accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
     return accelerator.state.device_mesh
@@ -82,3 +83,43 @@ def world_data_view(accelerator: Accelerator) -> Iterator[None]:
         yield
     finally:
         accelerator.state.device_mesh = mesh
+
+
+@dataclass
+class FederatedParallelismConfig(ParallelismConfig):
+    """Accelerate's ``ParallelismConfig`` with one more axis, ``fed``, outside the FSDP axes.
+
+    ``dp_replicate_size`` and ``dp_shard_size`` describe one group, as Accelerate would for a job of that
+    group alone; ``total_size`` counts the groups so that it equals the world size.
+    """
+
+    fed_size: int = 1
+
+    @property
+    def total_size(self) -> int:
+        return self.fed_size * super().total_size
+
+    @property
+    def fsdp_dim_names(self) -> list[str]:
+        """The group's own FSDP axes, so that Accelerate's ``mesh[fsdp_dim_names]`` slices no flattened axis.
+
+        Accelerate names its flattened ``dp_shard_cp`` here, and slicing a flattened axis from the root mesh warns
+        on every rank ("will be deprecated in PT 2.11"); without context parallelism (refused with a federation)
+        it is ``dp_shard`` itself.
+        """
+        return [MeshAxis.REPLICATE.value, MeshAxis.SHARD.value] if self.dp_replicate_enabled else [MeshAxis.SHARD.value]
+
+    def build_device_mesh(self, device_type: str) -> DeviceMesh:
+        layout = FederationLayout(
+            world_size=self.total_size,
+            group_size=self.dp_replicate_size * self.dp_shard_size,
+            shard_size=self.dp_shard_size,
+        )
+        return layout.build_mesh(device_type)
+
+
+def parallelism_config(layout: FederationLayout) -> FederatedParallelismConfig:
+    """Accelerate's view of ``layout``: one group's FSDP axes, and the groups as the ``fed`` axis."""
+    return FederatedParallelismConfig(
+        dp_replicate_size=layout.replicas, dp_shard_size=layout.shard_size, fed_size=layout.num_groups
+    )

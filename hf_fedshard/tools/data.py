@@ -24,7 +24,7 @@ from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast, TrainingArguments
 
-from .errors import ConfigError
+from hf_fedshard.errors import ConfigError
 
 EMBEDDED = ("shakespeare", "kjv")
 EOS = "<|endoftext|>"

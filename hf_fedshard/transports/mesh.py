@@ -11,8 +11,9 @@ The world is a 3-axis mesh, rank = group × group_size + replica × shard_size +
 Groups are blocks of contiguous ranks, so a group is one node (or a few) under the usual launchers, and
 the ``fed`` axis is the only one whose collectives cross the slow tier of the network.
 
-Accelerate reads the mesh through a :class:`FederatedParallelismConfig`: its FSDP axes are the group's
-(``dp_replicate``, ``dp_shard``), so ``fully_shard`` never sees the ``fed`` axis.
+This is the one-job transport: every group is in one ``torch.distributed`` world, and `mesh_communicator` gives the
+engine its cross-group collectives over process groups of that world. (Accelerate reads the mesh through
+`hf_fedshard.integrations.fsdp.FederatedParallelismConfig`.)
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from enum import Enum
 
 import torch
 import torch.distributed as dist
-from accelerate import ParallelismConfig
 from torch.distributed import ProcessGroup, new_subgroups_by_enumeration
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .errors import ConfigError
+from hf_fedshard.engine.communicator import FederationCommunicator, ProcessGroupCommunicator
+from hf_fedshard.errors import ConfigError
 
 
 class MeshAxis(str, Enum):
@@ -80,6 +82,18 @@ class FederationLayout:
                 f"fed_shard_size({self.shard_size}) != 0. Set --fed_shard_size to a divisor of {group}, "
                 f"or leave it unset for FL+FSDP (shard over the whole group)."
             )
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> FederationLayout:
+        """The layout of a world mesh built by `build_mesh` (axes ``fed``, ``dp_replicate``, ``dp_shard``)."""
+        names = (MeshAxis.FED.value, MeshAxis.REPLICATE.value, MeshAxis.SHARD.value)
+        if tuple(mesh.mesh_dim_names or ()) != names:
+            raise ConfigError(
+                f"the mesh has axes {mesh.mesh_dim_names}, not {names}. Build it with "
+                "FederationLayout(world_size, group_size).build_mesh(device_type)."
+            )
+        groups, replicas, shards = mesh.shape
+        return cls(groups * replicas * shards, replicas * shards, shards)
 
     @classmethod
     def from_env(cls, group_size: int | None, shard_size: int | None) -> FederationLayout:
@@ -154,44 +168,6 @@ class FederationLayout:
         mesh[in_group]._flatten(MeshAxis.DATA_CP.value)
         return mesh
 
-    def parallelism_config(self) -> FederatedParallelismConfig:
-        return FederatedParallelismConfig(
-            dp_replicate_size=self.replicas, dp_shard_size=self.shard_size, fed_size=self.num_groups
-        )
-
-
-@dataclass
-class FederatedParallelismConfig(ParallelismConfig):
-    """Accelerate's ``ParallelismConfig`` with one more axis, ``fed``, outside the FSDP axes.
-
-    ``dp_replicate_size`` and ``dp_shard_size`` describe one group, as Accelerate would for a job of that
-    group alone; ``total_size`` counts the groups so that it equals the world size.
-    """
-
-    fed_size: int = 1
-
-    @property
-    def total_size(self) -> int:
-        return self.fed_size * super().total_size
-
-    @property
-    def fsdp_dim_names(self) -> list[str]:
-        """The group's own FSDP axes, so that Accelerate's ``mesh[fsdp_dim_names]`` slices no flattened axis.
-
-        Accelerate names its flattened ``dp_shard_cp`` here, and slicing a flattened axis from the root mesh warns
-        on every rank ("will be deprecated in PT 2.11"); without context parallelism (refused with a federation)
-        it is ``dp_shard`` itself.
-        """
-        return [MeshAxis.REPLICATE.value, MeshAxis.SHARD.value] if self.dp_replicate_enabled else [MeshAxis.SHARD.value]
-
-    def build_device_mesh(self, device_type: str) -> DeviceMesh:
-        layout = FederationLayout(
-            world_size=self.total_size,
-            group_size=self.dp_replicate_size * self.dp_shard_size,
-            shard_size=self.dp_shard_size,
-        )
-        return layout.build_mesh(device_type)
-
 
 def fed_process_group(layout: FederationLayout, timeout_s: float) -> ProcessGroup:
     """The process group of this rank's peers in the other groups (same replica and shard position).
@@ -234,6 +210,13 @@ def exchange_process_groups(
     return fed, replicas
 
 
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh to give ``fully_shard`` in a plain loop: this rank's group, ``(dp_replicate, dp_shard)`` for FL+HSDP,
+    ``dp_shard`` alone for FL+FSDP (as Accelerate does for `FedShardTrainer`)."""
+    replicate, shard = MeshAxis.REPLICATE.value, MeshAxis.SHARD.value
+    return mesh[replicate, shard] if mesh[replicate].size() > 1 else mesh[shard]
+
+
 def replica_process_group(mesh: DeviceMesh) -> ProcessGroup:
     """The process group of the HSDP replicas of this rank's shard inside its group (fast tier): split exchange."""
     return mesh.get_group(MeshAxis.REPLICATE.value)
@@ -261,3 +244,34 @@ def _destroy_gloo_groups() -> None:
     if not failed and dist.is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()
         gc.collect()  # free what still holds the groups (a DDP reducer, FSDP states) while Python is alive
+
+
+def mesh_communicator(
+    layout: FederationLayout,
+    mesh: DeviceMesh,
+    timeout_s: float | None,
+    *,
+    overlap: bool,
+    split: bool,
+    timeout: str | None = None,
+) -> FederationCommunicator:
+    """The engine's cross-group collectives for the groups of this job (every rank calls it, in the same order).
+
+    New process groups with ``timeout_s`` (PyTorch's default when ``None``), so that an averaging whose peers stopped
+    answering fails within it; with ``overlap`` the exchange gets a second set for the worker thread. ``timeout``
+    names the limit in errors (default ``timeout_s=…``).
+    """
+    seconds = default_pg_timeout.total_seconds() if timeout_s is None else timeout_s
+    peers = fed_process_group(layout, seconds)
+    split = split and layout.replicas > 1
+    exchange, replicas = None, replica_process_group(mesh) if split else None
+    if overlap:
+        exchange, replicas = exchange_process_groups(layout, seconds, split)
+    return FederationCommunicator(
+        peers=ProcessGroupCommunicator(peers),
+        control=ProcessGroupCommunicator(averaging_world_group(seconds)),
+        exchange=None if exchange is None else ProcessGroupCommunicator(exchange),
+        split=None if replicas is None else ProcessGroupCommunicator(replicas),
+        hsdp_replicas=layout.replicas,
+        timeout=timeout or f"timeout_s={seconds:g}",
+    )

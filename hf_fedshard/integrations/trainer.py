@@ -20,44 +20,37 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, has_length, rotate_checkpoints
 
-from .arguments import FedShardArgumentsMixin, FedShardTrainingArguments
-from .callback import FedAvgCallback
-from .card import CARD_EXTRAS, TrainingClock, clock_hidden, extend_card
-from .checkpoint import (
+from hf_fedshard.checkpointing.checkpoint import (
     atomic_checkpoint,
     check_resumable,
     group_dir,
     latest_complete_checkpoint,
+    load_averaging_state,
     load_group_model,
     load_group_optimizer,
-    load_in_flight_state,
-    load_outer_state,
-    read_counters,
     reading,
+    save_averaging_state,
     save_group_model,
     save_group_optimizer,
-    save_in_flight_state,
-    save_outer_state,
-    write_counters,
     write_layout_record,
 )
-from .errors import ConfigError
-from .exchange import Exchange, ProcessGroupCommunicator
-from .fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
-from .group_eval import evaluate_each_group
-from .group_gather import gathers_within_group
-from .mesh import (
+from hf_fedshard.checkpointing.resume import load_on_every_rank, resumable_checkpoint
+from hf_fedshard.engine import FederationCommunicator
+from hf_fedshard.errors import ConfigError
+from hf_fedshard.integrations.arguments import FedShardArgumentsMixin, FedShardTrainingArguments
+from hf_fedshard.integrations.callback import FedAvgCallback
+from hf_fedshard.integrations.card import CARD_EXTRAS, TrainingClock, clock_hidden, extend_card
+from hf_fedshard.integrations.fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
+from hf_fedshard.integrations.group_eval import evaluate_each_group
+from hf_fedshard.integrations.group_gather import gathers_within_group
+from hf_fedshard.integrations.timeouts import explain_stalled_collectives
+from hf_fedshard.notices import notice
+from hf_fedshard.transports.mesh import (
     FederationLayout,
-    averaging_world_group,
     destroy_gloo_groups_at_exit,
-    exchange_process_groups,
-    fed_process_group,
     group_process_group,
-    replica_process_group,
+    mesh_communicator,
 )
-from .notices import notice
-from .resume import load_on_every_rank, resumable_checkpoint
-from .timeouts import explain_stalled_collectives
 
 logger = logging.getLogger(__name__)
 
@@ -92,14 +85,15 @@ class FedShardMixin(Trainer):
         fed_callback: the `FedAvgCallback`, or `None` with one group.
 
     Checkpoints of a federated run hold every group's own shards, are published atomically and resume exactly
-    (see `hf_fedshard.checkpoint` and docs/fault_tolerance.md); `save_model` exports the averaged global model
-    in the ordinary Hugging Face format.
+    (see `hf_fedshard.checkpointing.checkpoint` and docs/fault_tolerance.md); `save_model` exports the averaged
+    global model in the ordinary Hugging Face format.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Only plain attributes before Trainer.__init__: a subclass may not have resolved the model or args yet.
         self.fed_mesh: DeviceMesh | None = None
         self.fed_callback: FedAvgCallback | None = None
+        self.fed_communicator: FederationCommunicator | None = None
         self._card_kwargs: dict[str, Any] = {}
         self._group_eval: tuple[int, dict[str, float]] | None = None  # (step, metrics) of the last group eval
         super().__init__(*args, **kwargs)
@@ -114,29 +108,13 @@ class FedShardMixin(Trainer):
         destroy_gloo_groups_at_exit()
         self.add_callback(TrainingClock())
         if self.fed_layout.federated:
-            fed_group = fed_process_group(self.fed_layout, self.args.fed_exchange_timeout_s)
-            split = self.args.fed_split_exchange and self.fed_layout.replicas > 1
-            exchange_group, replica_group = fed_group, replica_process_group(self.fed_mesh) if split else None
-            if self.args.fed_sync_overlap > 0:  # the worker thread's own groups
-                exchange_group, replica_group = exchange_process_groups(
-                    self.fed_layout, self.args.fed_exchange_timeout_s, split
-                )
-            replicas = ProcessGroupCommunicator(replica_group) if split else None
-            self.fed_callback = FedAvgCallback(
-                fed_group=fed_group,
-                num_groups=self.fed_layout.num_groups,
-                sync_steps=self.args.fed_sync_steps,
-                average_optimizer_state=self.args.fed_average_optimizer_state,
-                group=self._group_pg if self.fed_layout.group_size > 1 else None,
-                timeout_s=self.args.fed_timeout_s,
-                world_group=averaging_world_group(self.args.fed_exchange_timeout_s),
-                before_eval=self._evaluate_each_group if self.args.fed_eval_per_group else None,
-                exchange=Exchange(ProcessGroupCommunicator(exchange_group), self.args.fed_sync_dtype, replicas),
-                settings=self.args.fed_averaging_settings,
-                replicas=self.fed_layout.replicas,
-                schedule=self.args.fed_schedule,
-                outer_on_device=self.args.fed_outer_state_on_device,
-            )
+            self.fed_communicator = mesh_communicator(
+                self.fed_layout, self.fed_mesh, self.args.fed_exchange_timeout_s,
+                overlap=self.args.fed_sync_overlap > 0, split=self.args.fed_split_exchange,
+                timeout=_timeout_setting(self.args),
+            )  # fmt: skip
+            before_eval = self._evaluate_each_group if self.args.fed_eval_per_group else None
+            self.fed_callback = FedAvgCallback(self.fed_communicator, self.args.fed_averaging_options, before_eval)
             self.add_callback(self.fed_callback)
 
     @property
@@ -195,20 +173,20 @@ class FedShardMixin(Trainer):
         # Evaluate the global model (the groups' plain average); each group keeps training its own afterwards.
         if self.fed_callback is None:
             return super().evaluate(*args, **kwargs)
-        with self.fed_callback.global_model(self.model, self.state.global_step, evaluating=True):
+        with self.fed_callback.global_model(evaluating=True):
             return super().evaluate(*args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Per-step metric gathers in compute_loss (TRL's token accuracy, entropy) stay inside the group.
         if self.fed_callback is None:
             return super().training_step(*args, **kwargs)
-        with gathers_within_group(self.accelerator, self.fed_callback.group):
+        with gathers_within_group(self.accelerator, self._group_pg if self.fed_layout.group_size > 1 else None):
             return super().training_step(*args, **kwargs)
 
     def _evaluate_each_group(self) -> None:
-        """Evaluate every group's own model (FedAvgCallback calls this before the global model is evaluated)."""
-        fed = self.fed_callback
-        metrics = evaluate_each_group(self, fed.group, fed.fed_group, fed.num_groups)
+        """Evaluate every group's own model (the averager calls this before the global model is evaluated)."""
+        group = self._group_pg if self.fed_layout.group_size > 1 else None
+        metrics = evaluate_each_group(self, group, self.fed_communicator.peers)
         self._group_eval = (self.state.global_step, metrics)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -279,7 +257,7 @@ class FedShardMixin(Trainer):
         if self.fed_callback is None:
             return super()._save_checkpoint(model, trial)
         step = self.state.global_step
-        diverged = self.fed_callback.diverged(self.fed_callback.payload(self.model, self.optimizer), step)
+        diverged = self.fed_callback.averager.find_diverged_groups()
         if diverged:
             if self.args.should_log:
                 logger.warning(
@@ -323,12 +301,8 @@ class FedShardMixin(Trainer):
             self._save_optimizer_and_scheduler(checkpoint)
             self._save_scaler(checkpoint)
             self._save_rng_state(checkpoint)
-        os.makedirs(group, exist_ok=True)
-        write_counters(checkpoint, self._group_index, self.args.process_index, self.fed_callback.state_dict())
-        in_flight = self.fed_callback.in_flight_state_dict()
-        save_in_flight_state(checkpoint, self._group_index, self.args.process_index, in_flight)
-        if self._group_index == 0:  # the anchor and outer momentum are the same in every group
-            save_outer_state(checkpoint, self.args.process_index, self.fed_callback.outer_state_dict())
+        state = self.fed_callback.averager.state_dict()
+        save_averaging_state(checkpoint, self.fed_layout, self.args.process_index, state)
         if self.args.should_save:
             write_layout_record(checkpoint, self.fed_layout, self.model)
             config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
@@ -362,15 +336,11 @@ class FedShardMixin(Trainer):
         load_on_every_rank(resume_from_checkpoint, lambda: self._load_federated_state(resume_from_checkpoint, model))
 
     def _load_federated_state(self, checkpoint: str, model: nn.Module | None) -> None:
-        """This rank's model shards, counters, exchange in flight and outer state (`_save_federated_state`'s)."""
-        rank = self.args.process_index
+        """This rank's model shards and averaging state (`_save_federated_state`'s)."""
         group = group_dir(checkpoint, self._group_index)
         load_group_model(model or self.model, os.path.join(group, "model"), self._group_pg)
-        self.fed_callback.load_state_dict(read_counters(checkpoint, self._group_index, rank))
-        in_flight = load_in_flight_state(checkpoint, self._group_index, rank, self.args.device)
-        self.fed_callback.load_in_flight_state(in_flight)
-        outer = load_outer_state(checkpoint, self.fed_layout.position(rank))
-        self.fed_callback.load_outer_state(outer)
+        rank, device = self.args.process_index, self.args.device
+        self.fed_callback.load_state_dict(load_averaging_state(checkpoint, self.fed_layout, rank, device))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # Each group reads its own optimizer state; a save_only_model checkpoint has none, as with Trainer.
@@ -393,7 +363,7 @@ class FedShardMixin(Trainer):
             return super()._load_best_model()
         group = group_dir(self.state.best_model_checkpoint, self._group_index)
         load_group_model(self.model, os.path.join(group, "model"), self._group_pg)
-        self.fed_callback.average_models(self.model, self.state.global_step)
+        self.fed_callback.averager.adopt_plain_average()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # Export the global model in the Hugging Face format: the groups' plain average between averagings (each
@@ -401,7 +371,7 @@ class FedShardMixin(Trainer):
         # Federated checkpoints never come here (see _save_checkpoint), so this gathers for exports only.
         if self.fed_callback is None:
             return super().save_model(output_dir, _internal_call)
-        with self.fed_callback.global_model(self.model, self.state.global_step):
+        with self.fed_callback.global_model():
             if self.accelerator.state.fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
                 return super().save_model(output_dir, _internal_call)
             state_dict = self.accelerator.get_state_dict(self.model)
@@ -421,3 +391,8 @@ class FedShardTrainer(FedShardMixin, Trainer):
         # Default arguments with the fed_* fields, where Trainer would default to plain TrainingArguments.
         args = FedShardTrainingArguments(output_dir="trainer_output") if args is None else args
         super().__init__(model, args, *pos, **kwargs)
+
+
+def _timeout_setting(args: FedShardArgumentsMixin) -> str:
+    """How the limit on a cross-group collective is named in errors."""
+    return f"fed_timeout_s={args.fed_timeout_s:g}" if args.fed_timeout_s else "ddp_timeout (fed_timeout_s unset)"

@@ -1,0 +1,526 @@
+"""`FederatedAverager`: the federation's averaging, for any training loop (the Trainer's callback is one).
+
+Call `step()` after every optimizer step and `finish()` after the last; in between, `global_model()` lends the
+groups' plain average for an evaluation or an export. An averaging is an outer step on pseudo-gradients: each
+rank's trainable shards move from the anchor (the global model of the previous averaging) by
+`OuterOptimizer`'s step with the groups' mean Δ, exchanged by `Exchange`; floating buffers (and the optimizer's
+moments, if asked) are plainly averaged. Every decision is a function of the step count and of values equal on
+every rank, so all ranks enter each collective together.
+
+With streaming (`hf_fedshard.engine.fragments`) the trainable shards are cut into fragments of whole FSDP units,
+each with its own anchor and outer momentum, exchanged on its own step and, with overlap τ, applied τ steps later
+while training goes on (local ← anchor' + the progress made meanwhile).
+
+Divergence: the groups agree before each exchange, in the averaging's one control all-reduce
+(`hf_fedshard.engine.control`), on which of them hold a NaN or an Inf. A diverged group sends nothing and restarts
+from the others' average (every fragment from its anchor) with its optimizer state reset; if every group diverged,
+training stops with an error. With overlap, a group that diverges inside an exchange's τ window is found by the
+next exchange's agreement (it sent a finite Δ to this one), and restarts when that one is applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from hf_fedshard.engine.communicator import FederationCommunicator
+from hf_fedshard.engine.control import Norms, agree
+from hf_fedshard.engine.counters import Counters
+from hf_fedshard.engine.exchange import Exchange
+from hf_fedshard.engine.failures import explain_failures
+from hf_fedshard.engine.fragments import Fragment, fragment_ranges
+from hf_fedshard.engine.options import AveragingOptions
+from hf_fedshard.engine.outer import OuterOptimizer, outer_state_device
+from hf_fedshard.engine.overlap import InFlight, Worker
+from hf_fedshard.engine.payload import (
+    all_finite,
+    model_state_tensors,
+    optimizer_state_tensors,
+    plain_mean_over_groups,
+    reset_optimizer_state,
+    trainable_parameters,
+)
+from hf_fedshard.engine.resumable import check_state, continue_history
+from hf_fedshard.engine.settings_history import History, history_from_state, history_to_state
+from hf_fedshard.errors import ConfigError
+from hf_fedshard.notices import notice
+
+logger = logging.getLogger(__name__)
+
+
+class FederatedAverager:
+    """Averages a model across federation groups every ``sync_steps`` optimizer steps, from any training loop.
+
+    Construct it on every rank once the model is sharded (FSDP2 over ``mesh["dp_replicate", "dp_shard"]``) and
+    the optimizer built: it averages the initial weights, so every group starts from one global model. To resume,
+    construct it, load the model's and optimizer's own state, then `load_state_dict`.
+
+    Args:
+        model: the model, sharded inside this rank's federation group.
+        optimizer: the inner optimizer over the model's parameters.
+        mesh: the world mesh of `FederationLayout.build_mesh` (the one-job transport); or pass ``communicator``.
+        communicator: the cross-group collectives of another transport (`hf_fedshard.engine.communicator`).
+        sync_steps … timeout_s: the ``fed_*`` settings without the prefix (`FedShardArgumentsMixin` documents each).
+        before_eval: called on every rank before the global model is lent for an evaluation that sees the groups
+            differ, while each group still holds its own model (the Trainer's per-group evaluation).
+        average_initial_weights: ``False`` when a `load_state_dict` follows (a resume), which must then come
+            before the first `step`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        mesh: DeviceMesh | None = None,
+        *,
+        communicator: FederationCommunicator | None = None,
+        sync_steps: int = 8,
+        average_optimizer_state: bool = False,
+        outer_optimizer: str = "fedavg",
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        sync_dtype: str = "float32",
+        split_exchange: bool = True,
+        sync_fragments: int = 1,
+        sync_overlap: int = 0,
+        outer_state_on_device: bool = False,
+        timeout_s: float | None = None,
+        before_eval: Callable[[], None] | None = None,
+        average_initial_weights: bool = True,
+    ) -> None:
+        options = AveragingOptions(
+            sync_steps, average_optimizer_state, outer_optimizer, outer_lr, outer_momentum, sync_dtype,
+            split_exchange, sync_fragments, sync_overlap, outer_state_on_device, timeout_s,
+        )  # fmt: skip
+        self.options, self.schedule, self.settings = options, options.schedule, options.settings
+        trainable = _check_model_and_optimizer(model, optimizer, mesh)
+        ranges = fragment_ranges(model, trainable, self.schedule.fragments)  # refuses F > units: no collective yet
+        self.comm = communicator or _mesh_communicator(mesh, options)
+        self.model, self.optimizer, self.before_eval = model, optimizer, before_eval
+        self.exchange = Exchange(self.comm.exchange_peers, options.sync_dtype, self.comm.split)
+        self.settings_history: History = [(0, self.settings)]
+        self.counters = Counters()
+        self.step_count = 0
+        self.diverged_at_step: int | None = None  # the last step a group was found with NaN/Inf
+        self._trainable = len(trainable)
+        self._norms: Norms | None = None  # this rank's norm sums of the last averaging, published by the next
+        self._worker = Worker()
+        self._loaded = average_initial_weights
+        self._finished = self._lending = False
+        self._groups_evaluated_at: int | None = None
+        if average_initial_weights:
+            self._average_initial_weights()
+        params = model_state_tensors(model)[: self._trainable]
+        device = outer_state_device(params, options.outer_state_on_device)
+        lr, momentum = self.settings.outer_lr, self.settings.outer_momentum
+        self.fragments = [
+            Fragment(i, a, b, OuterOptimizer(params[a:b], lr, momentum, device)) for i, (a, b) in enumerate(ranges)
+        ]
+        self._describe(trainable, device)
+
+    # ---- The loop's calls ----
+
+    def step(self, *, evaluating: bool = False, last: bool = False) -> None:
+        """One more optimizer step was taken: apply, start or run the averaging the schedule gives for it.
+
+        ``evaluating``: an evaluation of the global model follows this step (the groups are evaluated first if
+        ``before_eval`` is set); ``last``: this was the last step, so end on the global model (`finish`).
+        """
+        if self._finished:
+            raise RuntimeError("FederatedAverager.step() after finish(): finish() ends the averaging; build a new one.")
+        if not self._loaded:
+            raise RuntimeError(
+                "FederatedAverager: average_initial_weights=False but no load_state_dict() before the first step(): "
+                "the groups would start from different anchors. Load a checkpoint's state first, or construct it "
+                "with average_initial_weights=True."
+            )
+        self.step_count += 1
+        step = self.step_count
+        flight = self._in_flight()
+        if flight is not None and flight.in_flight.apply_step == step:
+            self._apply(flight)
+        fragment = self.schedule.starting(step)
+        if fragment is None and not last:
+            return
+        if last or self.schedule.overlap == 0:
+            if evaluating and not self._identical():
+                self._evaluate_groups()
+            if last:
+                self.finish()
+            elif self.fragments[fragment].averaged_at < step:
+                self._average([fragment])
+            return
+        self._start(self.fragments[fragment])
+
+    def finish(self) -> None:
+        """End on the global model: apply the exchange in flight now, then average every fragment not equal yet.
+
+        A collective. Publishes the last averaging's norms (`metrics`); calling it again does nothing.
+        """
+        if self._finished:
+            return
+        flight = self._in_flight()
+        if flight is not None:
+            self._apply(flight)
+        stale = [f.index for f in self.fragments if f.averaged_at < self.step_count]
+        if stale:
+            self._average(stale)
+        if self._norms is not None:
+            self._agree([])
+        self._worker.shutdown()
+        self._finished = True
+
+    @contextlib.contextmanager
+    def global_model(self, evaluating: bool = False) -> Iterator[None]:
+        """Inside the block the model is the plain average of the groups' current models; after it, each group's own.
+
+        For evaluations and exports between averagings (a collective, like `step`): no outer step, no counter but
+        the bytes, so the training trajectory is the same with or without them. A no-op where the groups are equal.
+        ``evaluating``: the groups are first evaluated by ``before_eval``.
+        """
+        if self._lending:
+            raise RuntimeError("FederatedAverager.global_model() is already open: the blocks do not nest.")
+        if self._identical():
+            yield
+            return
+        if evaluating:
+            self._evaluate_groups()
+        tensors = model_state_tensors(self.model)
+        own = [t.clone() for t in tensors]
+        diverged = self._agree(tensors)
+        if len(diverged) < self.comm.num_groups:
+            with self._explain():
+                self.counters.inter_group_bytes += plain_mean_over_groups(
+                    tensors, self.comm.peers, self.comm.num_groups - len(diverged), self.comm.group not in diverged
+                )
+        self._lending = True
+        try:
+            yield
+        finally:
+            self._lending = False
+            with torch.no_grad():
+                for tensor, saved in zip(model_state_tensors(self.model), own, strict=True):
+                    tensor.copy_(saved)
+
+    def adopt_plain_average(self) -> None:
+        """Make every group's model the groups' plain average now (a collective, no outer step), e.g. after each
+        group reloaded its own best checkpoint: what is then saved is one global model."""
+        self._wait_in_flight()
+        for fragment in self.fragments:
+            fragment.in_flight = None
+        with self._explain():
+            self.counters.inter_group_bytes += plain_mean_over_groups(
+                model_state_tensors(self.model), self.comm.peers, self.comm.num_groups
+            )
+        for fragment in self.fragments:
+            fragment.averaged_at = self.step_count
+
+    def find_diverged_groups(self) -> list[int]:
+        """The groups holding a NaN/Inf in their payload now (a collective; e.g. before a checkpoint is written)."""
+        return self._agree(self._payload())
+
+    def metrics(self) -> dict[str, float]:
+        """The ``fed_*`` values to log (``fed_delta_norm`` and ``fed_group_drift`` are the averaging's before the
+        last one until `finish`, see `hf_fedshard.engine.control`)."""
+        return self.counters.metrics()
+
+    # ---- Checkpoints ----
+
+    def state_dict(self) -> dict:
+        """What this rank needs to continue exactly: ``counters`` (JSON: schedule position, counts, settings
+        history), ``outer`` (each fragment's anchor and outer momentum, equal in every group) and ``in_flight``
+        (the exchange started, waited for but not applied; ``None`` if none)."""
+        counters = {
+            **self.counters.state_dict(),
+            "synced_at": [f.averaged_at for f in self.fragments],
+            "averaging": history_to_state(self.settings_history),
+            "pending_norms": None if self._norms is None else asdict(self._norms),
+        }
+        flight = self._in_flight()
+        in_flight = None
+        if flight is not None:
+            with self._explain(flight.in_flight.start_step):
+                in_flight = flight.in_flight.state_dict()
+        return {
+            "step": self.step_count,
+            "counters": counters,
+            "outer": {"fragments": [f.outer.state_dict() for f in self.fragments]},
+            "in_flight": in_flight,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state_dict`'s output, with this averager's own settings (a resume may change the outer
+        optimizer and the wire dtype: `hf_fedshard.engine.settings_history`)."""
+        check_state(state, self.schedule, len(self.fragments))
+        self.step_count = int(state["step"])
+        counters = state["counters"]
+        self.counters.load_state_dict(counters)
+        for fragment, synced, outer in zip(
+            self.fragments, counters["synced_at"], state["outer"]["fragments"], strict=True
+        ):
+            fragment.averaged_at = int(synced)
+            fragment.outer.load_state_dict(outer)
+            fragment.in_flight = None
+        if state["in_flight"] is not None:
+            flight = InFlight.from_state_dict(state["in_flight"])
+            self.fragments[flight.fragment].in_flight = flight
+        pending = counters.get("pending_norms")
+        self._norms = None if pending is None else Norms(**pending)
+        saved = history_from_state(counters["averaging"]) if "averaging" in counters else None
+        log = self.comm.control.rank() == 0
+        self.settings_history = continue_history(saved, state["outer"], self.settings, self.step_count, log)
+        self._loaded = True
+
+    # ---- An averaging ----
+
+    def _average(self, indices: Sequence[int]) -> None:
+        """Average the fragments ``indices`` now, blocking: agree on divergence, exchange Δ, outer step.
+
+        The last fragment carries the rest of the payload (floating buffers, and the moments if asked).
+        """
+        step = self.step_count
+        tensors = self._payload()
+        params, others = tensors[: self._trainable], tensors[self._trainable :]
+        begin = time.perf_counter()
+        diverged = self._agree(tensors)
+        contribute, contributors = self._contribution(diverged)
+        sent_deltas, means = [], []
+        with self._explain():
+            for index in indices:
+                fragment = self.fragments[index]
+                deltas = self._deltas(fragment.outer, fragment.of(params), contribute)
+                mean, sent = self.exchange.mean(deltas, contributors)
+                self.counters.inter_group_bytes += sent
+                fragment.outer.step(mean, fragment.of(params))
+                sent_deltas += deltas
+                means += mean
+            if self.schedule.fragments - 1 in indices:
+                self.counters.inter_group_bytes += plain_mean_over_groups(
+                    others, self.comm.peers, contributors, contribute
+                )
+        self._norms = Norms.of(sent_deltas, means, contribute, self.comm.group, self.comm.num_groups, contributors)
+        _synchronize(tensors)
+        self.counters.count(time.perf_counter() - begin, 0.0)
+        for index in indices:
+            self.fragments[index].averaged_at = step
+        if diverged:
+            self._restart_diverged(diverged, params, keep=indices)
+
+    def _start(self, fragment: Fragment) -> None:
+        """Start ``fragment``'s exchange on the worker thread; `_apply` finishes it ``overlap`` steps later."""
+        step = self.step_count
+        begin = time.perf_counter()
+        tensors = model_state_tensors(self.model)
+        params, others = tensors[: self._trainable], tensors[self._trainable :]
+        diverged = self._agree(tensors)
+        contribute, contributors = self._contribution(diverged)
+        snapshots = [p.detach().to(torch.float32, copy=True) for p in fragment.of(params)]
+        deltas = self._deltas(fragment.outer, snapshots, contribute)
+        if fragment.index == self.schedule.fragments - 1 and others:
+            with self._explain():
+                self.counters.inter_group_bytes += plain_mean_over_groups(
+                    others, self.comm.peers, contributors, contribute
+                )
+        future = self._worker.submit(self.exchange.mean, deltas, contributors)
+        fragment.in_flight = InFlight(
+            fragment.index, step, step + self.schedule.overlap, snapshots, contribute, contributors, diverged,
+            blocked_s=time.perf_counter() - begin, future=future,
+        )  # fmt: skip
+
+    def _apply(self, fragment: Fragment) -> None:
+        """Finish ``fragment``'s exchange: the outer step on its mean Δ, keeping the local progress made since."""
+        flight = fragment.in_flight
+        waited = self._wait_in_flight()
+        begin = time.perf_counter()
+        with self._explain(flight.start_step):
+            means, sent = flight.wait()
+        params = model_state_tensors(self.model)[: self._trainable]
+        deltas = self._deltas(fragment.outer, flight.snapshots, flight.contribute)
+        self._norms = Norms.of(
+            deltas, means, flight.contribute, self.comm.group, self.comm.num_groups, flight.contributors
+        )
+        fragment.in_flight = None
+        mine_diverged = self.comm.group in flight.diverged
+        fragment.outer.step(means, fragment.of(params), None if mine_diverged else flight.snapshots)
+        _synchronize(params)
+        self.counters.inter_group_bytes += sent
+        self.counters.count(flight.blocked_s + time.perf_counter() - begin, waited)
+        if flight.diverged:
+            self._restart_diverged(flight.diverged, params, keep=[fragment.index])
+
+    def _agree(self, tensors: list[torch.Tensor]) -> list[int]:
+        """The averaging's control all-reduce: which groups hold a NaN/Inf in ``tensors``; publishes the norms."""
+        self._wait_in_flight()
+        device = tensors[0].device if tensors else _device_of(self.model)
+        with self._explain():
+            diverged, published = agree(self.comm, all_finite(tensors), self._norms, device)
+        if published is not None:
+            self.counters.delta_norm, self.counters.group_drift = published
+            self._norms = None
+        if len(diverged) == self.comm.num_groups:
+            raise RuntimeError(
+                f"hf_fedshard: every federation group ({self.comm.num_groups}) has NaN/Inf in its model at step "
+                f"{self.step_count}; training stopped. Resume from the latest checkpoint (checkpoints are skipped "
+                "while a group has NaN/Inf, so it holds finite weights) with a lower learning_rate or max_grad_norm."
+            )
+        return diverged
+
+    def _contribution(self, diverged: list[int]) -> tuple[bool, int]:
+        """(whether this rank's group sends its Δ, how many groups do)."""
+        return self.comm.group not in diverged, self.comm.num_groups - len(diverged)
+
+    @staticmethod
+    def _deltas(outer: OuterOptimizer, tensors: list[torch.Tensor], contribute: bool) -> list[torch.Tensor]:
+        """Δ = anchor − local; zeros from a diverged group, whose Δ holds NaN (it takes the others' mean)."""
+        deltas = outer.deltas(tensors)
+        return deltas if contribute else [torch.zeros_like(d) for d in deltas]
+
+    def _restart_diverged(self, diverged: list[int], params: list[torch.Tensor], keep: Sequence[int]) -> None:
+        """Count the diverged groups; theirs took the others' average for ``keep``, every other fragment its anchor,
+        and their moments go too."""
+        self.counters.diverged_groups += len(diverged)
+        self.diverged_at_step = self.step_count
+        mine = self.comm.group in diverged
+        if mine:
+            for fragment in self.fragments:
+                if fragment.index not in keep:
+                    fragment.outer.restart(fragment.of(params))
+        if mine and self.optimizer is not None and not self.options.average_optimizer_state:
+            reset_optimizer_state(self.optimizer)
+        if self.comm.control.rank() == 0:
+            logger.warning(
+                "hf_fedshard: group(s) %s had NaN/Inf at step %d: left out of the average and restarted from the "
+                "other groups' average%s (fed_diverged_groups=%d).",
+                diverged, self.step_count, "" if self.options.average_optimizer_state else ", optimizer state reset",
+                self.counters.diverged_groups,
+            )  # fmt: skip
+
+    # ---- Helpers ----
+
+    def _payload(self) -> list[torch.Tensor]:
+        """This rank's local shards that an averaging sends: the model state, and the moments if asked."""
+        tensors = model_state_tensors(self.model)
+        if self.options.average_optimizer_state and self.optimizer is not None:
+            tensors += optimizer_state_tensors(self.optimizer, self.model)
+        return tensors
+
+    def _in_flight(self) -> Fragment | None:
+        """The fragment whose exchange is in flight (the schedule allows one at a time)."""
+        return next((f for f in self.fragments if f.in_flight is not None), None)
+
+    def _wait_in_flight(self) -> float:
+        """Let the exchange in flight finish (not applied); returns the seconds the loop waited, counted as such."""
+        fragment = self._in_flight()
+        if fragment is None or fragment.in_flight.result is not None:
+            return 0.0
+        begin = time.perf_counter()
+        with self._explain(fragment.in_flight.start_step):
+            fragment.in_flight.wait()
+        waited = time.perf_counter() - begin
+        fragment.in_flight.blocked_s += waited
+        self.counters.total_wait_seconds += waited
+        return waited
+
+    def _identical(self) -> bool:
+        """Whether every group holds the same model now (every fragment averaged at this step, none in flight)."""
+        return all(f.in_flight is None and f.averaged_at >= self.step_count for f in self.fragments)
+
+    def _evaluate_groups(self) -> None:
+        """Each group's own evaluation (``before_eval``), once per step, while the groups still differ."""
+        if self.before_eval is not None and self._groups_evaluated_at != self.step_count:
+            self._groups_evaluated_at = self.step_count
+            self.before_eval()
+
+    def _explain(self, step: int | None = None) -> contextlib.AbstractContextManager[None]:
+        return explain_failures(self.step_count if step is None else step, self.comm.timeout)
+
+    def _average_initial_weights(self) -> None:
+        """Step 0's plain average, so that groups initialised differently start from one global model."""
+        start = time.perf_counter()
+        with self._explain(0):
+            self.counters.inter_group_bytes += plain_mean_over_groups(
+                model_state_tensors(self.model), self.comm.peers, self.comm.num_groups
+            )
+        self.counters.count(time.perf_counter() - start, 0.0)
+
+    def _describe(self, trainable: list[nn.Parameter], device: torch.device) -> None:
+        """Say once, on rank 0, how the model is averaged and the outer state's memory per rank."""
+        sizes = " / ".join(f"{sum(p.numel() for p in trainable[f.start : f.stop]) / 1e6:.2f}" for f in self.fragments)
+        timing = f"each behind {self.schedule.overlap} step(s)" if self.schedule.overlap else "blocking"
+        notice(
+            "averaging with %s: %d fragment(s) of whole FSDP units (%s M parameters), %s; outer state (anchor%s) "
+            "%.1f MB per rank on %s",
+            self.settings.describe(), len(self.fragments), sizes, timing,
+            ", momentum" if self.settings.outer_momentum else "",
+            sum(f.outer.nbytes for f in self.fragments) / 1e6, device,
+        )  # fmt: skip
+
+
+def _mesh_communicator(mesh: DeviceMesh | None, options: AveragingOptions) -> FederationCommunicator:
+    """The one-job transport over ``mesh``'s world (imported here: the engine depends on no transport otherwise)."""
+    from hf_fedshard.transports.mesh import FederationLayout, mesh_communicator
+
+    if mesh is None:
+        raise ConfigError("FederatedAverager needs the world mesh (FederationLayout.build_mesh) or a communicator=.")
+    layout = FederationLayout.from_mesh(mesh)
+    return mesh_communicator(
+        layout, mesh, options.timeout_s, overlap=options.sync_overlap > 0, split=options.split_exchange
+    )
+
+
+def _check_model_and_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: DeviceMesh | None
+) -> list[nn.Parameter]:
+    """The trainable parameters, once the model and optimizer are known to fit together (before any collective)."""
+    trainable = trainable_parameters(model)
+    if not trainable:
+        raise ConfigError(
+            f"{type(model).__name__} has no parameter with requires_grad=True: nothing to train or average. "
+            "Unfreeze some parameters (or attach a PEFT adapter) first."
+        )
+    if optimizer is not None:
+        ours = {id(p) for p in trainable}
+        theirs = [p for group in getattr(optimizer, "optimizer", optimizer).param_groups for p in group["params"]]
+        if not theirs or any(id(p) not in ours for p in theirs):
+            raise ConfigError(
+                "FederatedAverager: the optimizer is not over the model's trainable parameters. Build the optimizer "
+                "after sharding the model (fully_shard replaces the parameters), from model.parameters()."
+            )
+    if mesh is not None:
+        _check_sharded_on(trainable, mesh)
+    return trainable
+
+
+def _check_sharded_on(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
+    """Every trainable parameter is sharded over this rank's group (``mesh["dp_replicate", "dp_shard"]``)."""
+    group_mesh = mesh["dp_replicate", "dp_shard"]
+    group_ranks = sorted(group_mesh.mesh.flatten().tolist())
+    for param in params:
+        ranks = sorted(param.device_mesh.mesh.flatten().tolist()) if isinstance(param, DTensor) else None
+        if ranks is None and len(group_ranks) == 1:
+            continue  # one rank per group: a plain module is its own shard
+        if ranks != group_ranks:
+            where = "not sharded" if ranks is None else f"sharded over ranks {ranks}"
+            raise ConfigError(
+                f"FederatedAverager: the model is {where}, but this rank's federation group is ranks {group_ranks}. "
+                'Shard it with fully_shard(module, mesh=mesh["dp_replicate", "dp_shard"]) before building the '
+                "averager."
+            )
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _synchronize(tensors: list[torch.Tensor]) -> None:
+    """Wait for the device, so that the time counted is the averaging's, not the next step's."""
+    if tensors and tensors[0].is_cuda:
+        torch.cuda.synchronize()

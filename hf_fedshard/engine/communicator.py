@@ -1,0 +1,95 @@
+"""The seam between the engine and a transport: every collective that crosses federation groups goes through here.
+
+The engine never calls ``torch.distributed`` itself. A transport (``hf_fedshard.transports``) gives it one
+`FederationCommunicator`, a bundle of `Communicator` s over the sets of ranks an averaging talks to:
+
+- ``peers``: this rank and the ranks at the same (replica, shard) position in every other group: they hold shards
+  of the same shapes. ``peers.rank()`` is this rank's group, ``peers.size()`` the number of groups. The plain means
+  (buffers, the temporary global model) run over it.
+- ``control``: every rank of the federation, for the one small all-reduce per averaging that carries the
+  divergence flags and the previous averaging's norms (`hf_fedshard.engine.control`).
+- ``exchange``: the peers the exchange of Δ runs over: ``peers`` itself, or (with overlap) a second set of the same
+  ranks that the worker thread alone uses, since two threads must not share a process group.
+- ``split``: the group's HSDP replicas that the exchange splits its payload over (FL+HSDP), or ``None``.
+
+Tests run the whole engine in one process with a fake `Communicator` per rank (threads meeting at barriers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch.distributed import ProcessGroup, ReduceOp, all_gather_single, all_reduce, all_to_all_single
+
+
+class Communicator(Protocol):
+    """The collectives the engine needs, over one set of ranks."""
+
+    def size(self) -> int: ...
+
+    def rank(self) -> int: ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None: ...
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
+
+
+class ProcessGroupCommunicator:
+    """A `Communicator` over a torch.distributed process group (gloo or NCCL)."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def size(self) -> int:
+        return torch.distributed.get_world_size(self.group)
+
+    def rank(self) -> int:
+        return torch.distributed.get_rank(self.group)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        all_reduce(tensor, op=ReduceOp.SUM, group=self.group)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        all_to_all_single(output, input, group=self.group)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        all_gather_single(output, input, group=self.group)
+
+
+@dataclass(frozen=True)
+class FederationCommunicator:
+    """What a transport hands the engine (see the module docstring for each set of ranks).
+
+    Args:
+        peers: this rank's peers in every group (``rank()`` = this group's index).
+        control: every rank of the federation.
+        exchange: the exchange's peers (the overlap worker's own); ``None``: ``peers``.
+        split: the HSDP replicas to split the exchange over; ``None``: no split.
+        hsdp_replicas: ranks of one group holding the same shard (1 for FL+FSDP), to turn shard norms into model
+            norms.
+        timeout: how the limit on a cross-group collective is named in errors, e.g. ``"fed_timeout_s=30"``.
+    """
+
+    peers: Communicator
+    control: Communicator
+    exchange: Communicator | None = None
+    split: Communicator | None = None
+    hsdp_replicas: int = 1
+    timeout: str = "the process groups' timeout"
+
+    @property
+    def num_groups(self) -> int:
+        return self.peers.size()
+
+    @property
+    def group(self) -> int:
+        """This rank's federation group."""
+        return self.peers.rank()
+
+    @property
+    def exchange_peers(self) -> Communicator:
+        return self.peers if self.exchange is None else self.exchange

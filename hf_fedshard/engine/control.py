@@ -1,0 +1,76 @@
+"""The one small collective of an averaging besides the exchange: the divergence flags now, the norms of the last.
+
+Before an exchange every group must know which groups hold a NaN or an Inf (they send nothing and restart), and
+after it the engine reports ‖mean Δ‖ and the groups' drift from it, which need the mean. Rather than a collective
+before the exchange and another after it, both ride on one all-reduce over every rank of the federation, before
+the exchange: the flags of now and the norm sums of the averaging before. So ``fed_delta_norm`` and
+``fed_group_drift`` are logged one averaging late, and `FederatedAverager.finish` publishes the last averaging's
+with one more all-reduce.
+
+One rank's vector (G groups), summed over every rank of every group::
+
+    [ flag_0 … flag_{G−1} | drift_0 … drift_{G−1} | mean ]
+
+flag_g counts the ranks of group g holding a NaN/Inf (so a group agrees on its own flag without a collective of
+its own); drift_g sums ‖Δ_g − mean Δ‖² and ``mean`` sums ‖mean Δ‖², each rank adding its shard's squares. A shard
+is held by the group's HSDP replicas, so the sums count it that many times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hf_fedshard.engine.communicator import FederationCommunicator
+
+
+@dataclass
+class Norms:
+    """This rank's norm sums of an averaging, kept until the next control all-reduce publishes them."""
+
+    sums: list[float]  # drift_0 … drift_{G−1}, mean (float64 values of this rank's shard)
+    contributors: int
+
+    @classmethod
+    def of(
+        cls,
+        deltas: Sequence[torch.Tensor],
+        means: Sequence[torch.Tensor],
+        contribute: bool,
+        group: int,
+        num_groups: int,
+        contributors: int,
+    ) -> Norms:
+        """This rank's squares: ‖Δ − mean Δ‖² in its group's slot (if it contributed), ‖mean Δ‖² last."""
+        sums = [0.0] * (num_groups + 1)
+        if contribute:
+            drift = (d - m for d, m in zip(deltas, means, strict=True))
+            sums[group] = float(sum((x.double().square().sum() for x in drift), torch.zeros((), dtype=torch.float64)))
+        sums[-1] = float(sum((m.double().square().sum() for m in means), torch.zeros((), dtype=torch.float64)))
+        return cls(sums, contributors)
+
+
+def agree(
+    comm: FederationCommunicator, finite: bool, norms: Norms | None, device: torch.device
+) -> tuple[list[int], tuple[float, float] | None]:
+    """(the groups holding a NaN/Inf now, the published (‖mean Δ‖, drift) of ``norms`` or ``None``).
+
+    A collective over every rank: every rank gets the same list, so every rank takes the same branch afterwards.
+    drift = mean over the contributing groups of ‖Δ_g − mean Δ‖, relative to ‖mean Δ‖.
+    """
+    groups = comm.num_groups
+    vector = torch.zeros(2 * groups + 1, dtype=torch.float64, device=device)
+    vector[comm.group] = 0.0 if finite else 1.0
+    if norms is not None:
+        vector[groups:] = torch.tensor(norms.sums, dtype=torch.float64)
+    comm.control.all_reduce_sum(vector)
+    values = vector.tolist()
+    diverged = [g for g in range(groups) if values[g] > 0]
+    if norms is None:
+        return diverged, None
+    sums = [s / comm.hsdp_replicas for s in values[groups:]]
+    mean_norm = (sums[-1] / groups) ** 0.5  # every group holds the same mean Δ
+    drift = sum(s**0.5 for s in sums[:-1]) / norms.contributors
+    return diverged, (mean_norm, drift / mean_norm if mean_norm > 0 else 0.0)
