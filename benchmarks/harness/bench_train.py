@@ -17,7 +17,8 @@ the first rank of the rack's first node), so that evaluations and logging are le
 the bytes. Each rank also records its resident memory before the model is built and its peak (``VmHWM``): their
 difference is what the model, its gradients, optimizer state and training added. Each rank writes
 ``rank<R>.json`` into ``--record_dir``. With ``--budget_s``, `BudgetStop` ends training at the first evaluation
-whose training clock has reached the budget, at the same step on every rank (benchmarks/time_to_quality.py).
+whose training clock has reached the budget, at the same step on every rank, and ``--eval_offset_steps`` moves
+the evaluations past an overlapped exchange's apply (benchmarks/time_to_quality.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ from pathlib import Path
 import torch
 from accelerate.local_sgd import LocalSGD
 from datasets import disable_progress_bars, load_from_disk
-from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback, default_data_collator, set_seed
+from transformers import (
+    AutoTokenizer,
+    DefaultFlowCallback,
+    HfArgumentParser,
+    TrainerCallback,
+    default_data_collator,
+    set_seed,
+)
 
 from benchmarks.harness.netns import RACK_NETNS_ENV, TRUNK, UPLINK
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
@@ -49,6 +57,12 @@ class BenchArguments:
     model_size: str = field(default="tiny", metadata={"help": "Llama preset.", "choices": list(PRESETS)})
     no_averaging: bool = field(default=False, metadata={"help": "The ideal: drop the FedAvgCallback."})
     local_sgd_steps: int = field(default=0, metadata={"help": "> 0: Accelerate's LocalSGD with this H (DDP)."})
+    eval_offset_steps: int = field(
+        default=0,
+        metadata={"help": "Evaluate (and log) at steps ≡ this (mod eval_steps) instead of at multiples of it; an "
+                  "overlapped exchange (fed_sync_overlap τ) is applied at τ steps past its start, so evaluating there "
+                  "keeps it out of the evaluation, which would otherwise wait for it outside the training clock."},
+    )  # fmt: skip
     budget_s: float = field(
         default=0.0,
         metadata={"help": "> 0: stop at the first evaluation whose training clock (evaluations excluded) has reached "
@@ -158,6 +172,19 @@ class SyncStamp(TrainerCallback):
         self.recorder.sync_begin = {"t": self.recorder._now(), **self.recorder.counters()}
 
 
+class EvalOffset(TrainerCallback):
+    """Moves the Trainer's evaluations, and its logs with them, from multiples of ``eval_steps`` to ``offset`` steps
+    past them (and the last step); inserted right after Trainer's flow callback, so every later callback (the
+    averaging, the recorder) sees the moved requests."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+    def on_step_end(self, args, state, control, **kwargs):
+        due = state.global_step % state.eval_steps == self.offset % state.eval_steps
+        control.should_evaluate = control.should_log = due or state.global_step >= state.max_steps
+
+
 def world_max(value: float) -> float:
     """The largest ``value`` over every rank of the world (the value itself without a process group)."""
     if not torch.distributed.is_initialized():
@@ -221,6 +248,10 @@ def main(argv: list[str] | None = None) -> None:
         processing_class=tokenizer,
         data_collator=default_data_collator,
     )
+    if bench.eval_offset_steps:
+        callbacks = trainer.callback_handler.callbacks
+        flow = next(i for i, c in enumerate(callbacks) if isinstance(c, DefaultFlowCallback))
+        callbacks.insert(flow + 1, EvalOffset(bench.eval_offset_steps))
     first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
     recorder = StepRecorder(first_on_node, os.environ.get(RACK_NETNS_ENV) if first_on_node else None)
     averaging = LocalSGDCallback(trainer, bench.local_sgd_steps) if bench.local_sgd_steps else trainer.fed_callback
