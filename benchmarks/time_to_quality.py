@@ -264,6 +264,11 @@ def markdown(results: dict) -> str:
     stops = [label for label, f in summary["methods"].items() if not f["same_stop_step_on_every_rank"]]
     lines += ["", "Every rank of every method stopped at the same step." if not stops else
               f"**Ranks stopped at different steps** in: {', '.join(stops)}."]  # fmt: skip
+    others = {m: spread([r["machine"]["after_each_method"][m]["other_processes_cores"] for r in results["runs"]])
+              for m in summary["methods"]}  # fmt: skip
+    busy = ", ".join(f"{m} {median_range(c)}" for m, c in others.items())
+    lines += ["", "CPU cores kept busy by other processes while each method ran (average over its run; median "
+              f"(min–max) over repetitions): {busy}."]  # fmt: skip
     sentence = headline(results)
     if sentence:
         lines += ["", sentence]

@@ -182,7 +182,9 @@ def test_time_to_quality_reports_per_repetition_against_fsdp_and_the_tuned_fsdp(
     labels = tuple(CURVES)
     runs = [{"methods": {m: ttq.run_summary(ttq_records(c[rep]), BUDGET_S, tokens_per_step=1000)
                          for m, c in CURVES.items()},
-             "machine": {"before": {"cpus": 2}}} for rep in range(2)]  # fmt: skip
+             "machine": {"before": {"cpus": 2}, "after_each_method": {m: {"other_processes_cores": 0.25 * rep}
+                                                                      for m in CURVES}}}
+            for rep in range(2)]  # fmt: skip
     fsdp = runs[0]["methods"]["FSDP"]
     assert (fsdp["loss_at_budget"], fsdp["steps_in_budget"], fsdp["tokens_in_budget"]) == (7.25, 3, 3000)
     assert fsdp["stop_step_per_rank"] == [4] and fsdp["peak_rss_bytes_max"] == 301 * 10**6
@@ -212,6 +214,7 @@ def test_time_to_quality_reports_per_repetition_against_fsdp_and_the_tuned_fsdp(
     assert "| FL+FSDP | 200.3 | 3 | 0.11 (0.10–0.12) | 4.33 (4.00–4.67) | 0.17 | 301 | 201 |" in table
     assert "| LocalSGD | 3377.9 | 1 | not reached (ppl 3377.9 at the budget) | — |" in table  # exp(8.125)
     assert "| FSDP lr ×2 (tuned) | 854.1 |" in table
+    assert "over repetitions): FSDP 0.12 (0.00–0.25), FL+FSDP 0.12 (0.00–0.25)," in table
     assert ttq.headline(results) == (
         "On 4 nodes × 2 ranks sharing 2 CPU cores, 100 Mbit/s between nodes, Llama `tiny`, a budget of 28 s of "
         "training: to reach perplexity 1608.1 (1408.1–1808.0) (FSDP's at the budget), FL+FSDP needed 0.11 "
