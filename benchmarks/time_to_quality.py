@@ -60,9 +60,9 @@ from benchmarks.harness.report import (  # noqa: E402
 
 # The best measured FL+FSDP settings (benchmarks/README.md, "Averaging hidden behind compute"): overlapping the
 # whole exchange with one step hid it (the loop waited 0.7% of bytes ÷ rate) for +13% tokens/s over blocking
-# FedAvg at 0.4% higher perplexity at equal tokens; streaming 4 fragments added 2% more tokens/s but cost 3.7%
-# perplexity at equal tokens; int8 shrinks bytes that overlap already hides, at 4× the callback's time on these
-# cores; Nesterov (outer lr 0.3–1.0) lost to plain FedAvg over 48 steps in the outer-lr sweep.
+# FedAvg at 0.4% higher perplexity at equal tokens. Streaming with int8 ran 5.6% more tokens/s than that (ranges
+# overlapping) at 3.4% higher perplexity at equal tokens, which those results cannot tell apart on time to quality;
+# overlap keeps the paper's fp32 FedAvg. Nesterov lost to plain FedAvg at every outer lr of the outer-lr sweep.
 BEST = "FL+FSDP overlap"
 ONE_RANK = "FL+FSDP 1 rank/group"
 LR_GRID = (0.5, 2.0, 4.0)  # FSDP's lr × these beside FSDP itself (× 1)
