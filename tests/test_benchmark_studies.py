@@ -1,18 +1,25 @@
-"""The scaling, quality and overlap studies' arithmetic (no cluster, no training): run shapes, spreads, the √-lr
-rule, the three-tier report's predictions and targets, and the overlap targets on medians over repetitions."""
+"""The scaling, quality, overlap and time-to-quality studies' arithmetic (no cluster, no training): run shapes,
+spreads, the √-lr rule, the three-tier report's predictions and targets, the overlap targets on medians over
+repetitions, and the time-to-quality curves (interpolation, time to reach, the budget stop without evaluation time);
+then, as root with iproute2, the time-to-quality study end to end on a tiny emulated cluster."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
+from transformers import TrainerControl, TrainerState
 
 from benchmarks import overlap, quality, scaling
-from benchmarks.harness import RESULTS, results_folder
+from benchmarks import time_to_quality as ttq
+from benchmarks.harness import RESULTS, bench_train, results_folder
+from benchmarks.harness.netns import list_namespaces
 from benchmarks.harness.report import predicted, targets
 
 from .launch import REPO
@@ -136,3 +143,162 @@ def test_results_folders_are_named_one_way():
     scheme = re.compile(rf"({'|'.join(STUDIES)})_(quick|full)(_[a-z0-9_]+)?")
     for folder in RESULTS.iterdir():
         assert folder.is_dir() and scheme.fullmatch(folder.name), f"{folder.name}: not <study>_<quick|full>[_<variant>]"
+
+
+# (training clock s, eval loss) every 8 s; the budget, 28 s, falls halfway between the last two evaluations.
+BUDGET_S = 28.0
+CURVES = {  # per repetition; losses are binary fractions, so every interpolation below is exact
+    "FSDP": [[(0, 9), (8, 8.5), (16, 8), (24, 7.5), (32, 7)], [(0, 9), (8, 8.5), (16, 8), (24, 7.75), (32, 7.25)]],
+    "FL+FSDP": [[(0, 9), (4, 8), (8, 7), (12, 6.5), (32, 5)], [(0, 9), (4, 8), (8, 7), (12, 6.5), (32, 5)]],
+    "FSDP lr ×2": [[(0, 9), (8, 8), (16, 7.5), (24, 7), (32, 6.5)], [(0, 9), (8, 8), (16, 7.5), (24, 7), (32, 6.5)]],
+    "LocalSGD": [[(0, 9), (16, 8.5), (32, 8)], [(0, 9), (16, 8.5), (32, 8)]],
+}  # fmt: skip
+
+
+def ttq_records(points: list[tuple[float, float]], stop_steps: tuple[int, ...] = (4, 4)) -> list[dict]:
+    """The ranks' records bench_train.py writes, as far as the study reads them: rank 0's evaluations, each
+    rank's steps (one per evaluation here) and memory."""
+    steps = [{"train_clock_s": float(t)} for t, _ in points[1:]]
+    return [{"rank": rank, "evals": [{"step": i, "train_clock_s": float(t), "eval_loss": float(loss)}
+                                     for i, (t, loss) in enumerate(points)] if rank == 0 else [],
+             "steps": steps[:stop], "peak_rss_bytes": (300 + rank) * 10**6, "rss_before_model_bytes": 100 * 10**6}
+            for rank, stop in enumerate(stop_steps)]  # fmt: skip
+
+
+def test_time_to_quality_interpolates_in_the_training_clock_and_cuts_at_the_budget():
+    points = CURVES["FSDP"][0]
+    assert ttq.loss_at(points, 28.0) == 7.25  # halfway between 7.5 at 24 s and 7 at 32 s
+    assert ttq.loss_at(points, 0.0) == 9 and ttq.loss_at(points, 32.0) == 7
+    assert ttq.loss_at(points, 33.0) is None  # past the last evaluation: the run stopped before the budget
+    assert ttq.cut(points, BUDGET_S) == [(0, 9), (8, 8.5), (16, 8), (24, 7.5), (28.0, 7.25)]
+    assert ttq.cut(points, 24.0) == [(0, 9), (8, 8.5), (16, 8), (24, 7.5)]  # on an evaluation: nothing added
+    assert ttq.time_to_reach(points, 8.25, BUDGET_S) == 12.0  # 8.5 at 8 s, 8 at 16 s
+    assert ttq.time_to_reach(points, 7.25, BUDGET_S) == BUDGET_S  # its own loss at the budget: at the budget
+    assert ttq.time_to_reach(points, 7.0, BUDGET_S) is None  # reached at 32 s, after the budget
+    assert ttq.time_to_reach(points, 9.5, BUDGET_S) == 0  # already there at the start
+
+
+def test_time_to_quality_reports_per_repetition_against_fsdp_and_the_tuned_fsdp():
+    labels = tuple(CURVES)
+    runs = [{"methods": {m: ttq.run_summary(ttq_records(c[rep]), BUDGET_S, tokens_per_step=1000)
+                         for m, c in CURVES.items()},
+             "machine": {"before": {"cpus": 2}, "after_each_method": {m: {"other_processes_cores": 0.25 * rep}
+                                                                      for m in CURVES}}}
+            for rep in range(2)]  # fmt: skip
+    fsdp = runs[0]["methods"]["FSDP"]
+    assert (fsdp["loss_at_budget"], fsdp["steps_in_budget"], fsdp["tokens_in_budget"]) == (7.25, 3, 3000)
+    assert fsdp["stop_step_per_rank"] == [4] and fsdp["peak_rss_bytes_max"] == 301 * 10**6
+    assert fsdp["memory_added_bytes_max"] == 201 * 10**6
+    assert ttq.run_summary(ttq_records(CURVES["FSDP"][0], (4, 3)), BUDGET_S, 1)["stop_step_per_rank"] == [3, 4]
+
+    summary = ttq.combine(runs, labels, BUDGET_S)
+    assert summary["tuned_fsdp"] == "FSDP lr ×2"  # 6.75 at the budget in both repetitions, FSDP 7.25 and 7.5
+    assert summary["targets"]["FSDP"] == ttq.spread([math.exp(7.25), math.exp(7.5)])
+    fl = summary["methods"]["FL+FSDP"]
+    # FSDP's target differs per repetition (7.25, 7.5): FL+FSDP crosses it at 4 + 4 · 0.75 and 4 + 4 · 0.5 s.
+    assert fl["time_to_FSDP"] == {"per_repetition": [7.0, 6.0], "reached": [7.0, 6.0]}
+    assert fl["speedup_to_FSDP"] == ttq.spread([28.0 / 7.0, 28.0 / 6.0])
+    assert fl["time_to_tuned FSDP"]["per_repetition"] == [10.0, 10.0]  # 6.75 between 7 at 8 s and 6.5 at 12 s
+    assert summary["methods"]["FSDP"]["time_to_FSDP"]["per_repetition"] == [BUDGET_S, BUDGET_S]
+    assert summary["methods"]["FSDP"]["time_to_tuned FSDP"]["reached"] == []
+    local = summary["methods"]["LocalSGD"]
+    assert local["time_to_FSDP"]["per_repetition"] == [None, None] and local["speedup_to_FSDP"] is None
+    assert local["perplexity_at_budget"]["median"] == math.exp(8.125)
+
+    results = {"config": {"nodes": 4, "ranks_per_node": 2, "rate_mbit": 100.0, "model_size": "tiny",
+                          "batch_size": 4, "block_size": 128, "learning_rate": 2e-3, "sync_steps": 8,
+                          "eval_samples": 64, "eval_steps": 8},
+               "budget_s": BUDGET_S, "repeats": 2, "summary": summary, "runs": runs}  # fmt: skip
+    table = ttq.markdown(results)
+    # exp(6.5 - 1.5 · 16/20) = 200.3 at the budget; 6.5 s (6–7) = 0.11 (0.10–0.12) min; 28 ÷ 7, 28 ÷ 6; 10 s
+    assert "| FL+FSDP | 200.3 | 3 | 0.11 (0.10–0.12) | 4.33 (4.00–4.67) | 0.17 | 301 | 201 |" in table
+    assert "| LocalSGD | 3377.9 | 1 | not reached (ppl 3377.9 at the budget) | — |" in table  # exp(8.125)
+    assert "| FSDP lr ×2 (tuned) | 854.1 |" in table
+    assert "over repetitions): FSDP 0.12 (0.00–0.25), FL+FSDP 0.12 (0.00–0.25)," in table
+    assert ttq.headline(results) == (
+        "On 4 nodes × 2 ranks sharing 2 CPU cores, 100 Mbit/s between nodes, Llama `tiny`, a budget of 28 s of "
+        "training: to reach perplexity 1608.1 (1408.1–1808.0) (FSDP's at the budget), FL+FSDP needed 0.11 "
+        "(0.10–0.12) min where FSDP needed 0.47 min (median (min–max) over 2 repetition(s))."
+    )
+
+
+def test_time_to_quality_runs_share_arguments_but_the_study_settings():
+    cfg = ttq.config_from_args(ttq.make_parser().parse_args([]))[0]
+    assert (cfg.nodes, cfg.ranks_per_node, cfg.rate_mbit, cfg.model_size, cfg.eval_steps) == (4, 2, 100.0, "tiny", 8)
+    assert ttq.study_args("FL+FSDP overlap", cfg, 120) == [
+        "--fed_group_size", "2", "--fed_sync_steps", "8", "--fed_sync_overlap", "1", "--eval_offset_steps", "1",
+        "--budget_s", "120"]  # fmt: skip
+    assert ttq.study_args("FL+FSDP 1 rank/group", cfg, 120)[:2] == ["--fed_group_size", "1"]
+    assert ttq.study_args("FSDP lr ×0.5", cfg, 120) == ["--fsdp", "--learning_rate", "0.001", "--budget_s", "120"]
+    assert [ttq.lr_factor(m) for m in ("FSDP", "FSDP lr ×4", "HSDP")] == [1.0, 4.0, None]
+
+
+def test_budget_stop_leaves_evaluations_out_of_the_clock_and_stops_every_rank_at_one_step(monkeypatch):
+    """Evaluations of 2 and 3 s between steps of 4 and 7 s: the clock at step 2 is 4 + 7 = 11 s, not 16 s, and
+    with a budget of 10 s training stops after step 2 (the first evaluated step past it), not after step 1."""
+    now = [100.0]
+    monkeypatch.setattr(bench_train.time, "perf_counter", lambda: now[0])
+    recorder = bench_train.StepRecorder(read_counters=False)
+    budget = bench_train.BudgetStop(recorder, budget_s=10.0)
+    state, control = TrainerState(), TrainerControl()
+
+    def evaluate(at: float, loss: float) -> None:
+        now[0] = at
+        for callback in (budget, recorder):  # the Trainer's order: BudgetStop is added before the recorder
+            callback.on_evaluate(None, state, control, metrics={"eval_loss": loss})
+
+    recorder.on_train_begin(None, state, control)
+    evaluate(102.0, 9.0)  # at the start
+    stops = []
+    for step, (begin, end, eval_end) in enumerate([(102.0, 106.0, 109.0), (109.0, 116.0, 118.0)], start=1):
+        state.global_step, now[0] = step, begin
+        recorder.on_step_begin(None, state, control)
+        now[0], control.should_evaluate = end, True
+        recorder.on_step_end(None, state, control)
+        evaluate(eval_end, 9.0 - step)
+        stops.append(control.should_training_stop)
+    assert [s["train_clock_s"] for s in recorder.steps] == [4.0, 11.0]
+    assert [(e["step"], e["train_clock_s"]) for e in recorder.evals] == [(0, 0.0), (1, 4.0), (2, 11.0)]
+    assert stops == [False, True]
+    assert bench_train.world_max(3.5) == 3.5  # no process group: the rank's own clock
+
+
+def test_eval_offset_moves_evaluations_and_logs_past_the_apply():
+    state, control, offset = TrainerState(eval_steps=8, max_steps=20), TrainerControl(), bench_train.EvalOffset(1)
+    moved = []
+    for step in range(1, 21):
+        state.global_step = step
+        control.should_evaluate = control.should_log = step % 8 == 0  # as Trainer's flow callback asks
+        offset.on_step_end(None, state, control)
+        moved += [step] if control.should_evaluate and control.should_log else []
+    assert moved == [1, 9, 17, 20]  # τ = 1 past each multiple of 8, and the last step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="network namespaces need root")
+def test_time_to_quality_study_runs_on_a_tiny_cluster(tmp_path):
+    """The study as users run it (2 nodes × 1 rank, micro, a 6 s budget): every rank of a method stops at the
+    same step, the first evaluated one past the budget, and the results, table and plot are written."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "benchmarks/time_to_quality.py", "--nodes", "2", "--ranks-per-node", "1", "--methods",
+           "FSDP", "FL+FSDP", "--budget-s", "6", "--model-size", "micro", "--max-train-lines", "3000",
+           "--sync-steps", "2", "--repeats", "1", "--out", str(out), "--work", str(tmp_path / "work"),
+           "--data-cache", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out_text, _ = proc.communicate(timeout=540)
+    assert proc.returncode == 0, out_text[-6000:]
+    assert not [name for name in list_namespaces() if name.startswith(f"fsb{proc.pid}")]
+
+    results = json.loads((out / "results.json").read_text())
+    for name in ("FSDP", "FL+FSDP"):
+        run = results["runs"][0]["methods"][name]
+        clocks = [e["train_clock_s"] for e in run["evals"]]
+        assert len(run["stop_step_per_rank"]) == 1 and clocks[-2] < 6 <= clocks[-1], (name, clocks)
+        assert run["evals"][-1]["step"] == run["stop_step_per_rank"][0]
+        assert run["perplexity_at_budget"] > 1 and run["peak_rss_bytes_max"] > run["memory_added_bytes_max"] > 0
+    fsdp = results["summary"]["methods"]["FSDP"]
+    assert fsdp["time_to_FSDP"]["reached"] and fsdp["time_to_FSDP"]["reached"][0] <= 6
+    assert "| FL+FSDP |" in (out / "results.md").read_text()
+    assert (out / "perplexity_vs_time.png").read_bytes()[:4] == b"\x89PNG"

@@ -16,7 +16,9 @@ byte counters at both ends on the node's first rank (and, on a three-tier cluste
 the first rank of the rack's first node), so that evaluations and logging are left out of the step times and of
 the bytes. Each rank also records its resident memory before the model is built and its peak (``VmHWM``): their
 difference is what the model, its gradients, optimizer state and training added. Each rank writes
-``rank<R>.json`` into ``--record_dir``.
+``rank<R>.json`` into ``--record_dir``. With ``--budget_s``, `BudgetStop` ends training at the first evaluation
+whose training clock has reached the budget, at the same step on every rank, and ``--eval_offset_steps`` moves
+the evaluations past an overlapped exchange's apply (benchmarks/time_to_quality.py).
 """
 
 from __future__ import annotations
@@ -29,9 +31,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from accelerate.local_sgd import LocalSGD
 from datasets import disable_progress_bars, load_from_disk
-from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback, default_data_collator, set_seed
+from transformers import (
+    AutoTokenizer,
+    DefaultFlowCallback,
+    HfArgumentParser,
+    TrainerCallback,
+    default_data_collator,
+    set_seed,
+)
 
 from benchmarks.harness.netns import RACK_NETNS_ENV, TRUNK, UPLINK
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
@@ -47,6 +57,17 @@ class BenchArguments:
     model_size: str = field(default="tiny", metadata={"help": "Llama preset.", "choices": list(PRESETS)})
     no_averaging: bool = field(default=False, metadata={"help": "The ideal: drop the FedAvgCallback."})
     local_sgd_steps: int = field(default=0, metadata={"help": "> 0: Accelerate's LocalSGD with this H (DDP)."})
+    eval_offset_steps: int = field(
+        default=0,
+        metadata={"help": "Evaluate (and log) at steps ≡ this (mod eval_steps) instead of at multiples of it; an "
+                  "overlapped exchange (fed_sync_overlap τ) is applied at τ steps past its start, so evaluating there "
+                  "keeps it out of the evaluation, which would otherwise wait for it outside the training clock."},
+    )  # fmt: skip
+    budget_s: float = field(
+        default=0.0,
+        metadata={"help": "> 0: stop at the first evaluation whose training clock (evaluations excluded) has reached "
+                  "this many seconds on any rank; max_steps stays a cap."},
+    )  # fmt: skip
 
 
 def uplink_bytes() -> dict[str, int]:
@@ -151,6 +172,46 @@ class SyncStamp(TrainerCallback):
         self.recorder.sync_begin = {"t": self.recorder._now(), **self.recorder.counters()}
 
 
+class EvalOffset(TrainerCallback):
+    """Moves the Trainer's evaluations, and its logs with them, from multiples of ``eval_steps`` to ``offset`` steps
+    past them (and the last step); inserted right after Trainer's flow callback, so every later callback (the
+    averaging, the recorder) sees the moved requests."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+    def on_step_end(self, args, state, control, **kwargs):
+        due = state.global_step % state.eval_steps == self.offset % state.eval_steps
+        control.should_evaluate = control.should_log = due or state.global_step >= state.max_steps
+
+
+def world_max(value: float) -> float:
+    """The largest ``value`` over every rank of the world (the value itself without a process group)."""
+    if not torch.distributed.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return tensor.item()
+
+
+class BudgetStop(TrainerCallback):
+    """Stops training at the first evaluation whose training clock has reached ``budget_s``, on every rank at once.
+
+    Every rank takes the largest of the ranks' clocks at the evaluated step (one all-reduce of a float), so all of
+    them, in every group, stop after the same step. Added before the `StepRecorder`: its ``on_evaluate`` runs
+    inside the evaluation's pause, so the all-reduce is left out of the clock as the evaluation is.
+    """
+
+    def __init__(self, recorder: StepRecorder, budget_s: float) -> None:
+        self.recorder, self.budget_s = recorder, budget_s
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if state.global_step == 0:  # the evaluation at the start: no clock yet, the same on every rank
+            return
+        if world_max(self.recorder.steps[-1]["train_clock_s"]) >= self.budget_s:
+            control.should_training_stop = True
+
+
 class LocalSGDCallback(TrainerCallback):
     """Accelerate's `LocalSGD` around the Trainer's loop: no gradient sync, parameters averaged every H steps."""
 
@@ -187,6 +248,10 @@ def main(argv: list[str] | None = None) -> None:
         processing_class=tokenizer,
         data_collator=default_data_collator,
     )
+    if bench.eval_offset_steps:
+        callbacks = trainer.callback_handler.callbacks
+        flow = next(i for i, c in enumerate(callbacks) if isinstance(c, DefaultFlowCallback))
+        callbacks.insert(flow + 1, EvalOffset(bench.eval_offset_steps))
     first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
     recorder = StepRecorder(first_on_node, os.environ.get(RACK_NETNS_ENV) if first_on_node else None)
     averaging = LocalSGDCallback(trainer, bench.local_sgd_steps) if bench.local_sgd_steps else trainer.fed_callback
@@ -198,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
             trainer.add_callback(averaging)
         elif averaging is trainer.fed_callback:
             trainer.fed_callback = None  # the ideal never averages, not even temporarily for an evaluation
+    if bench.budget_s > 0:
+        trainer.add_callback(BudgetStop(recorder, bench.budget_s))  # before the recorder: inside the eval's pause
     trainer.add_callback(recorder)
     trainer.train()
     fed = trainer.fed_callback.metrics() if trainer.fed_callback is not None and not bench.no_averaging else {}

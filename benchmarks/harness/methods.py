@@ -4,8 +4,8 @@ FSDP, HSDP, FL+FSDP, FL+HSDP, the ideal (FL+FSDP whose groups never average), Ac
 variants of ``report.VARIANTS``, each as bench_train.py arguments (`method_args`) on top of what every method
 shares (`shared_args`); `benchmark` builds the cluster a `BenchConfig` describes, runs the chosen methods one after
 the other with the real multi-node launcher, and returns every figure (`report.summarize`) with the machine's
-load around each method. Used by benchmarks/tiers.py, scaling.py and overlap.py; quality.py and outer_lr_sweep.py
-take the data and shared arguments only.
+load around each method. Used by benchmarks/tiers.py, scaling.py and overlap.py; time_to_quality.py runs its own
+methods and settings through `run_methods`; quality.py and outer_lr_sweep.py take the data and shared arguments only.
 """
 
 from __future__ import annotations
@@ -150,13 +150,19 @@ def prepare_data(cfg: BenchConfig, cache: Path) -> Path:
     return path
 
 
-def run_method(cluster: Cluster, name: str, cfg: BenchConfig, data: Path, work: Path, port: int) -> list[dict]:
-    """Train ``name`` on the cluster; return every rank's record."""
-    run_dir = work / name.replace("+", "_").replace(" ", "_")
+def run_method(
+    cluster: Cluster, name: str, cfg: BenchConfig, data: Path, work: Path, port: int, args: list[str] | None = None
+) -> list[dict]:
+    """Train ``name`` on the cluster; return every rank's record.
+
+    ``args``: the method's bench_train.py arguments after the shared ones (default `method_args(name, cfg)`), for a
+    study that runs a method under its own name with settings of its own.
+    """
+    run_dir = work / name.replace("+", "_").replace(" ", "_").replace("×", "x").replace("/", "_")
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     args = ["--data_dir", str(data), "--record_dir", str(run_dir / "records"), "--output_dir", str(run_dir / "out"),
-            *shared_args(cfg), *method_args(name, cfg)]  # fmt: skip
+            *shared_args(cfg), *(method_args(name, cfg) if args is None else args)]  # fmt: skip
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
     logs = [run_dir / f"node{node}.log" for node in range(cfg.nodes)]
@@ -216,6 +222,17 @@ def benchmark(cfg: BenchConfig, work: Path, data_cache: Path, quiet: dict | None
     The caller records its own command and writes the results (`report.write`) where it keeps them.
     """
     cfg.validate()
+    runs = run_methods(cfg, {name: method_args(name, cfg) for name in cfg.methods}, work, data_cache)
+    results = report.summarize(runs["records"], asdict(cfg), runs["link"])
+    machine = runs["machine"]
+    results["machine"] = {"before": machine["before"], "after_each_method": machine["after_each_method"],
+                          "quiet_wait": quiet, "wall_s": machine["wall_s"], "started": machine["started"]}  # fmt: skip
+    return results
+
+
+def run_methods(cfg: BenchConfig, methods: dict[str, list[str]], work: Path, data_cache: Path) -> dict:
+    """Build the cluster, train each method (name: its bench_train.py arguments) one after the other, remove the
+    cluster whatever happens; return every rank's record per method, the link's goodput and the machine's load."""
     records, load_before, load_after_each = {}, machine_load(), {}
     started = time.time()
     data = prepare_data(cfg, data_cache)
@@ -223,13 +240,11 @@ def benchmark(cfg: BenchConfig, work: Path, data_cache: Path, quiet: dict | None
         link = cluster.probe_goodput(0, 1)
         if cfg.racks > 1:
             link["rack"] = cluster.probe_goodput(0, cluster.nodes_per_rack)
-        for index, name in enumerate(cfg.methods):
+        for index, (name, args) in enumerate(methods.items()):
             cpu, start = busy_cpu_s(), time.monotonic()
-            records[name] = run_method(cluster, name, cfg, data, work, 29500 + index)
+            records[name] = run_method(cluster, name, cfg, data, work, 29500 + index, args)
             # The load average counts this method's own ranks; the CPU others used is what disturbed it.
             load_after_each[name] = {**machine_load(), **others_cpu(cpu, time.monotonic() - start)}
-    results = report.summarize(records, asdict(cfg), link)
-    results["machine"] = {"before": load_before, "after_each_method": load_after_each, "quiet_wait": quiet,
-                          "wall_s": round(time.time() - started),
-                          "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))}  # fmt: skip
-    return results
+    machine = {"before": load_before, "after_each_method": load_after_each, "wall_s": round(time.time() - started),
+               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))}  # fmt: skip
+    return {"records": records, "link": link, "machine": machine}

@@ -415,6 +415,26 @@ def update_readme(results: dict, out: Path, readme: Path, block: str = "results"
     readme.write_text(head + text + rest.split(end, 1)[1])
 
 
+def new_axes(figsize: tuple[float, float] = (6, 3.2)):
+    """A figure and its axes on matplotlib's file-only backend (the studies write PNGs, nothing is shown)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=figsize, dpi=100)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` and close it; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def spread(values: list[float]) -> dict:
     """Median and range of ``values`` over repetitions: what the repeated studies print every figure with."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}

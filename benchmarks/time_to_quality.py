@@ -1,0 +1,368 @@
+"""Time to quality: eval perplexity against the training clock, every method trained for the same wall-clock budget.
+
+On the two-tier emulated cluster (4 nodes × 2 ranks, 100 Mbit/s between nodes, Llama `tiny`), each method trains
+until its *training clock* (wall time since training started, less the time spent evaluating and logging) reaches
+the budget, evaluating the global model on the same held-out plays every ``--eval-steps`` steps. The budget is
+enforced by bench_train.py's `BudgetStop`: at each evaluation every rank takes the largest of the ranks' clocks
+(one all-reduce inside the evaluation's pause) and all stop after that step if it has reached the budget; every
+group therefore stops at the same step, the first evaluated step at or past the budget, and every curve is then
+cut at the budget (the eval loss, the log of the perplexity, interpolated linearly in the clock between the two
+evaluations around it). Evaluation time is excluded from the clock and from the budget. Evaluations fall on
+averaged steps (multiples of H), except for the overlapped variant: its exchange started at such a step would
+finish inside the evaluation, outside the clock, so it is evaluated τ = 1 step later, after the apply.
+
+Methods (the same hyperparameters for all: per-device batch, lr, AdamW, clipping, H, data, initialisation):
+FSDP, HSDP, FL+FSDP (blocking fp32 FedAvg, the paper's), FL+FSDP overlap (the best measured settings, see
+`BEST`), FL+HSDP, Accelerate's LocalSGD, and FL+FSDP with one rank per group (``--fed_group_size 1``); beside
+them FSDP with its learning rate ×½, ×2 and ×4 (with FSDP itself, ×1: a grid, the best at the budget on the same
+held-out set is the tuned FSDP baseline). A repetition runs every method once, in the same order, on a fresh
+cluster; every figure is the median over repetitions with its range. Reported: eval perplexity at the budget;
+the training time each method needs to reach FSDP's perplexity at the budget (and the tuned FSDP's), FSDP's of
+the same repetition; peak resident memory per rank; a plot of every curve.
+
+    python benchmarks/time_to_quality.py            # 10 methods, 2 repetitions, budget 120 s of training
+    python benchmarks/time_to_quality.py --quick    # 2 nodes × 2 ranks, micro, 5 methods, 40 s, 1 repetition
+    python benchmarks/time_to_quality.py --report-only benchmarks/results/time_to_quality_full/results.json
+
+Results (JSON, Markdown, PNG) go to ``--out`` (default benchmarks/results/time_to_quality_<quick|full>/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness import results_folder  # noqa: E402
+from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, method_args, run_methods  # noqa: E402
+from benchmarks.harness.report import (  # noqa: E402
+    median_range,
+    new_axes,
+    run_record,
+    run_record_lines,
+    save_figure,
+    spread,
+    variant_settings,
+    write_study,
+)
+
+# The best measured FL+FSDP settings (benchmarks/README.md, "Averaging hidden behind compute"): overlapping the
+# whole exchange with one step hid it (the loop waited 0.7% of bytes ÷ rate) for +13% tokens/s over blocking
+# FedAvg at 0.4% higher perplexity at equal tokens. Streaming with int8 ran 5.6% more tokens/s than that (ranges
+# overlapping) at 3.4% higher perplexity at equal tokens, which those results cannot tell apart on time to quality;
+# overlap keeps the paper's fp32 FedAvg. Nesterov lost to plain FedAvg at every outer lr of the outer-lr sweep.
+BEST = "FL+FSDP overlap"
+ONE_RANK = "FL+FSDP 1 rank/group"
+LR_GRID = (0.5, 2.0, 4.0)  # FSDP's lr × these beside FSDP itself (× 1)
+MAIN = ("FSDP", "HSDP", "FL+FSDP", BEST, "FL+HSDP", "LocalSGD", ONE_RANK)
+QUICK = ("FSDP", "FSDP lr ×2", "FL+FSDP", BEST, "LocalSGD")
+
+
+def lr_label(factor: float) -> str:
+    return f"FSDP lr ×{factor:g}"
+
+
+METHODS = (*MAIN, *map(lr_label, LR_GRID))
+
+
+def lr_factor(label: str) -> float | None:
+    """The FSDP grid's lr factor of ``label`` (1 for FSDP itself), ``None`` for any other method."""
+    return 1.0 if label == "FSDP" else float(label.split("×")[1]) if label.startswith("FSDP lr ×") else None
+
+
+def study_args(label: str, cfg: BenchConfig, budget_s: float) -> list[str]:
+    """bench_train.py arguments of ``label`` after the shared ones: the harness's method, this study's settings."""
+    factor = lr_factor(label)
+    if label == ONE_RANK:
+        args = ["--fed_group_size", "1", "--fed_sync_steps", str(cfg.sync_steps)]
+    elif factor not in (None, 1.0):  # repeats --learning_rate after the shared one: the last one given wins
+        args = [*method_args("FSDP", cfg), "--learning_rate", f"{cfg.learning_rate * factor:g}"]
+    else:
+        args = method_args(label, cfg)
+    # An overlapped exchange started at an evaluated step would finish inside the evaluation's pause, outside the
+    # clock: evaluate τ steps later, once it is applied (the evaluation then averages the groups' models itself).
+    overlap = variant_settings(label).get("fed_sync_overlap")
+    return [*args, *(["--eval_offset_steps", overlap] if overlap else []), "--budget_s", f"{budget_s:g}"]
+
+
+# ---- The curves' arithmetic (pure functions of (training clock, eval loss) points) ----
+
+
+def loss_at(points: list[tuple[float, float]], clock_s: float) -> float | None:
+    """Eval loss at ``clock_s`` seconds of training, linear between the evaluations around it; ``None`` past the
+    last one. Loss is the log of the perplexity, so this is a straight line on a log-perplexity plot."""
+    for (t0, l0), (t1, l1) in itertools.pairwise(points):
+        if t0 <= clock_s <= t1:
+            return l0 if t1 == t0 else l0 + (l1 - l0) * (clock_s - t0) / (t1 - t0)
+    return points[0][1] if points and clock_s == points[0][0] else None
+
+
+def cut(points: list[tuple[float, float]], budget_s: float) -> list[tuple[float, float]]:
+    """The curve up to the budget: every evaluation within it, then the interpolated point at the budget."""
+    inside = [p for p in points if p[0] <= budget_s]
+    at_budget = loss_at(points, budget_s)
+    if at_budget is not None and inside[-1][0] < budget_s:
+        inside.append((budget_s, at_budget))
+    return inside
+
+
+def time_to_reach(points: list[tuple[float, float]], target_loss: float, budget_s: float) -> float | None:
+    """The first training clock, within the budget, at which the (interpolated) eval loss is down to
+    ``target_loss``; ``None``: not reached within the budget."""
+    curve = cut(points, budget_s)
+    if curve[0][1] <= target_loss:
+        return curve[0][0]
+    for (t0, l0), (t1, l1) in itertools.pairwise(curve):
+        if l1 <= target_loss:
+            return t0 + (t1 - t0) * (l0 - target_loss) / (l0 - l1)  # l0 > target ≥ l1
+    return None
+
+
+def run_summary(records: list[dict], budget_s: float, tokens_per_step: int) -> dict:
+    """One method in one repetition: its curve, perplexity at the budget, steps in it, peak memory per rank."""
+    rank0 = next(r for r in records if r["rank"] == 0)
+    points = [(e["train_clock_s"], e["eval_loss"]) for e in rank0["evals"]]
+    at_budget = loss_at(points, budget_s)
+    steps_in_budget = sum(1 for s in rank0["steps"] if s["train_clock_s"] <= budget_s)
+    return {
+        "evals": [{**e, "eval_perplexity": math.exp(e["eval_loss"])} for e in rank0["evals"]],
+        "stop_step_per_rank": sorted({len(r["steps"]) for r in records}),  # one value: every group stopped together
+        "train_clock_at_stop_s": rank0["steps"][-1]["train_clock_s"],
+        "steps_in_budget": steps_in_budget,
+        "tokens_in_budget": steps_in_budget * tokens_per_step,
+        "loss_at_budget": at_budget,
+        "perplexity_at_budget": math.exp(at_budget) if at_budget is not None else None,
+        "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in records),
+        "memory_added_bytes_max": max(r["peak_rss_bytes"] - r["rss_before_model_bytes"] for r in records),
+    }
+
+
+def reach_times(runs: list[dict], label: str, target_of: str, budget_s: float) -> list[float | None]:
+    """Per repetition, the clock at which ``label`` reaches ``target_of``'s loss at the budget of the same
+    repetition (paired: one repetition runs every method back to back)."""
+    out = []
+    for rep in runs:
+        target = rep["methods"][target_of]["loss_at_budget"]
+        points = [(e["train_clock_s"], e["eval_loss"]) for e in rep["methods"][label]["evals"]]
+        out.append(time_to_reach(points, target, budget_s) if target is not None else None)
+    return out
+
+
+def tuned_fsdp(runs: list[dict], labels: tuple[str, ...]) -> str | None:
+    """The FSDP grid member with the lowest median perplexity at the budget (``None`` without a grid)."""
+    grid = [m for m in labels if lr_factor(m) is not None]
+    scored = [m for m in grid if all(r["methods"][m]["loss_at_budget"] is not None for r in runs)]
+    if len(grid) < 2 or not scored:
+        return None
+    return min(scored, key=lambda m: statistics.median(r["methods"][m]["loss_at_budget"] for r in runs))
+
+
+def combine(runs: list[dict], labels: tuple[str, ...], budget_s: float) -> dict:
+    """Every figure over the repetitions, with the targets: FSDP's (and the tuned FSDP's) perplexity at the budget."""
+    tuned = tuned_fsdp(runs, labels)
+    targets = {"FSDP": "FSDP", **({"tuned FSDP": tuned} if tuned else {})} if "FSDP" in labels else {}
+    out = {}
+    for label in labels:
+        per_rep = [r["methods"][label] for r in runs]
+        ppl = [m["perplexity_at_budget"] for m in per_rep if m["perplexity_at_budget"] is not None]
+        figures = {
+            "perplexity_at_budget": spread(ppl) if ppl else None,
+            "budget_reached": len(ppl),
+            "steps_in_budget": spread([m["steps_in_budget"] for m in per_rep]),
+            "peak_rss_bytes_max": spread([m["peak_rss_bytes_max"] for m in per_rep]),
+            "memory_added_bytes_max": spread([m["memory_added_bytes_max"] for m in per_rep]),
+            "same_stop_step_on_every_rank": all(len(m["stop_step_per_rank"]) == 1 for m in per_rep),
+        }
+        for name, of in targets.items():
+            times = reach_times(runs, label, of, budget_s)
+            own = reach_times(runs, of, of, budget_s)
+            speedups = [o / t for o, t in zip(own, times, strict=True) if o and t]
+            figures[f"time_to_{name}"] = {"per_repetition": times, "reached": [t for t in times if t is not None]}
+            figures[f"speedup_to_{name}"] = spread(speedups) if len(speedups) == len(runs) else None
+        out[label] = figures
+    target_ppl = {
+        name: spread([math.exp(r["methods"][of]["loss_at_budget"]) for r in runs])
+        for name, of in targets.items()
+        if all(r["methods"][of]["loss_at_budget"] is not None for r in runs)
+    }
+    return {"methods": out, "tuned_fsdp": tuned, "targets": target_ppl}
+
+
+def reach_cell(figures: dict, key: str, n: int) -> str:
+    """Minutes to reach a target, median (min–max) over repetitions, or which repetitions did not reach it."""
+    reached = figures[key]["reached"]
+    if not reached:
+        return f"not reached (ppl {median_range(figures['perplexity_at_budget'], '.1f')} at the budget)"
+    minutes = median_range(spread(reached), ".2f", 1 / 60)
+    return minutes if len(reached) == n else f"{minutes} in {len(reached)} of {n}; not reached in the others"
+
+
+def headline(results: dict) -> str | None:
+    """The README sentence ("to reach perplexity P, FL+FSDP needed X min where FSDP needed Y min"), from the run."""
+    summary, budget_s = results["summary"], results["budget_s"]
+    if "FSDP" not in summary["targets"] or "FL+FSDP" not in summary["methods"]:
+        return None
+    p = summary["targets"]["FSDP"]
+    fl, fsdp = summary["methods"]["FL+FSDP"], summary["methods"]["FSDP"]
+    cfg, cores = results["config"], results["runs"][0]["machine"]["before"]["cpus"]
+    where = (f"{cfg['nodes']} nodes × {cfg['ranks_per_node']} ranks sharing {cores} CPU cores, {cfg['rate_mbit']:g} "
+             f"Mbit/s between nodes, Llama `{cfg['model_size']}`, a budget of {budget_s:g} s of training")  # fmt: skip
+    fl_time = reach_cell(fl, "time_to_FSDP", results["repeats"])
+    return (
+        f"On {where}: to reach perplexity {median_range(p, '.1f')} (FSDP's at the budget), FL+FSDP needed "
+        f"{fl_time} min where FSDP needed {reach_cell(fsdp, 'time_to_FSDP', results['repeats'])} min "
+        f"(median (min–max) over {results['repeats']} repetition(s))."
+    )
+
+
+def markdown(results: dict) -> str:
+    cfg, summary, n = results["config"], results["summary"], results["repeats"]
+    tuned = summary["tuned_fsdp"]
+    lines = [
+        f"{cfg['nodes']} nodes × {cfg['ranks_per_node']} ranks, links {cfg['rate_mbit']:g} Mbit/s, Llama "
+        f"`{cfg['model_size']}`, per-device batch {cfg['batch_size']} × {cfg['block_size']} tokens, lr "
+        f"{cfg['learning_rate']:g} (AdamW, constant), H = {cfg['sync_steps']}; budget {results['budget_s']:g} s of "
+        f"training clock (evaluations and logging excluded), evaluation of the global model on "
+        f"{cfg['eval_samples']} held-out blocks every {cfg['eval_steps']} steps; every group stops at the first "
+        f"evaluated step at or past the budget, curves cut at the budget (eval loss interpolated linearly in the "
+        f"clock). Median (min–max) over {n} interleaved repetition(s). Time to reach: minutes of training clock to "
+        f"FSDP's perplexity at the budget of the same repetition"
+        + (f" (and the tuned FSDP's, {tuned})" if tuned else "")
+        + "; speed-up: FSDP's time ÷ the method's. Peak RSS: the largest rank's peak resident memory (VmHWM); "
+        "added: less its resident memory before the model was built.",
+        "",
+        "| method | eval ppl at the budget | steps in the budget | time to FSDP's ppl (min) | speed-up "
+        + ("| time to tuned FSDP's ppl (min) " if tuned else "")
+        + "| peak RSS MB/rank | added MB/rank |",
+        "|---|---:|---:|---:|---:|" + ("---:|" if tuned else "") + "---:|---:|",
+    ]
+    for label, f in summary["methods"].items():
+        cells = [
+            median_range(f["perplexity_at_budget"], ".1f") if f["perplexity_at_budget"] else "budget not reached",
+            median_range(f["steps_in_budget"], ".0f"),
+        ]
+        if "time_to_FSDP" in f:
+            cells += [reach_cell(f, "time_to_FSDP", n), median_range(f["speedup_to_FSDP"], ".2f")]
+        if tuned:
+            cells.append(reach_cell(f, "time_to_tuned FSDP", n))
+        cells += [median_range(f["peak_rss_bytes_max"], ".0f", 1e-6), median_range(f["memory_added_bytes_max"],
+                                                                                    ".0f", 1e-6)]  # fmt: skip
+        mark = " (tuned)" if label == tuned else ""
+        lines.append(f"| {label}{mark} | " + " | ".join(cells) + " |")
+    stops = [label for label, f in summary["methods"].items() if not f["same_stop_step_on_every_rank"]]
+    lines += ["", "Every rank of every method stopped at the same step." if not stops else
+              f"**Ranks stopped at different steps** in: {', '.join(stops)}."]  # fmt: skip
+    others = {m: spread([r["machine"]["after_each_method"][m]["other_processes_cores"] for r in results["runs"]])
+              for m in summary["methods"]}  # fmt: skip
+    busy = ", ".join(f"{m} {median_range(c)}" for m, c in others.items())
+    lines += ["", "CPU cores kept busy by other processes while each method ran (average over its run; median "
+              f"(min–max) over repetitions): {busy}."]  # fmt: skip
+    sentence = headline(results)
+    if sentence:
+        lines += ["", sentence]
+    lines += run_record_lines(results)
+    return "\n".join(lines)
+
+
+def plot(results: dict, out: Path) -> Path:
+    """Eval perplexity against the training clock, every repetition of every method (the FSDP grid's tuned one)."""
+    summary, budget_s = results["summary"], results["budget_s"]
+    shown = [m for m in summary["methods"] if lr_factor(m) in (None, 1.0) or m == summary["tuned_fsdp"]]
+    fig, ax = new_axes((7, 4))
+    for index, label in enumerate(shown):
+        name = f"{label} (tuned)" if label == summary["tuned_fsdp"] else label
+        for rep, run in enumerate(results["runs"]):
+            points = cut([(e["train_clock_s"], e["eval_loss"]) for e in run["methods"][label]["evals"]], budget_s)
+            ax.plot([t / 60 for t, _ in points], [math.exp(loss) for _, loss in points], "-" if rep == 0 else "--",
+                    color=f"C{index}", marker="o", markersize=2, linewidth=1, label=None if rep else name)  # fmt: skip
+    if "FSDP" in summary["targets"]:
+        ax.axhline(summary["targets"]["FSDP"]["median"], color="grey", linewidth=0.8, linestyle=":")
+    ax.axvline(budget_s / 60, color="grey", linewidth=0.8, linestyle="--")
+    ax.set(xlabel="training clock (min, evaluations excluded)", ylabel="eval perplexity (held-out plays)", yscale="log")
+    ax.set_title(f"Every repetition (solid: first); dotted: FSDP's perplexity at the {budget_s:g} s budget", fontsize=9)
+    ax.legend(fontsize=7)
+    return save_figure(fig, out / "perplexity_vs_time.png")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"2 nodes, micro, {', '.join(QUICK)}, 40 s, 1 repetition.")
+    p.add_argument("--budget-s", type=float, help="Seconds of training clock per method (default 120; 40 quick).")
+    p.add_argument("--repeats", type=int, help="Interleaved repetitions (default 2; 1 with --quick).")
+    p.add_argument("--methods", nargs="+", choices=METHODS, help="Default: all (quick: the five above).")
+    p.add_argument("--nodes", type=int, help="Emulated nodes (default 4; 2 with --quick).")
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--rate-mbit", type=float, default=100.0, help="Inter-node link rate, Mbit/s each way.")
+    p.add_argument("--model-size", help="Llama preset (default tiny; micro with --quick).")
+    p.add_argument("--sync-steps", type=int, help="H (default 8; 4 with --quick).")
+    p.add_argument("--eval-steps", type=int, help="Evaluate every this many steps, a multiple of H (default H).")
+    p.add_argument("--max-train-lines", type=int, help="Train on this many lines of the text only (tests).")
+    p.add_argument("--timeout-s", type=float, help="Bound on each method's run (default budget + 420 s).")
+    p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/time_to_quality_<mode>).")
+    p.add_argument("--work", type=Path, help="Scratch folder for logs and records (default: a temporary one).")
+    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
+    p.add_argument("--report-only", type=Path, help="Rewrite the tables and plot of this results.json; run nothing.")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, tuple[str, ...], float, int]:
+    quick = args.quick
+    labels = tuple(args.methods or (QUICK if quick else METHODS))
+    budget_s = args.budget_s or (40.0 if quick else 120.0)
+    h = args.sync_steps or (4 if quick else 8)
+    eval_steps = args.eval_steps or h
+    cap = 4096 // eval_steps * eval_steps  # a cap only: the budget stops every run long before it
+    cfg = BenchConfig(
+        nodes=args.nodes or (2 if quick else 4), ranks_per_node=args.ranks_per_node, rate_mbit=args.rate_mbit,
+        methods=tuple(dict.fromkeys("FSDP" if lr_factor(m) else "FL+FSDP" if m == ONE_RANK else m for m in labels)),
+        model_size=args.model_size or ("micro" if quick else "tiny"), steps=cap, sync_steps=h, warmup_steps=h,
+        eval_steps=eval_steps, eval_samples=32 if quick else 64, max_train_lines=args.max_train_lines,
+        timeout_s=args.timeout_s or budget_s + 420,
+    )  # fmt: skip
+    cfg.validate()  # the harness's methods behind the labels, steps and evaluations on averaged steps
+    return cfg, labels, budget_s, args.repeats or (1 if quick else 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    if args.report_only:
+        results = json.loads(args.report_only.read_text())
+        results["summary"] = combine(results["runs"], tuple(results["labels"]), results["budget_s"])
+        print(write_study(args.report_only.parent, results, markdown))
+        plot(results, args.report_only.parent)
+        return 0
+    cfg, labels, budget_s, repeats = config_from_args(args)
+    out = args.out or results_folder("time_to_quality", args.quick)
+    spec = {label: study_args(label, cfg, budget_s) for label in labels}
+    runs = []
+    with exclusive_cores("benchmarks/time_to_quality.py"), tempfile.TemporaryDirectory(prefix="fedshard-ttq-") as tmp:
+        started = time.time()  # after the lock: the record's wall time is the study's own
+        for rep in range(repeats):
+            print(f"repetition {rep + 1}/{repeats}", flush=True)
+            done = run_methods(cfg, spec, (args.work or Path(tmp)) / f"r{rep}", args.data_cache)
+            methods = {m: run_summary(r, budget_s, cfg.tokens_per_step) for m, r in done["records"].items()}
+            runs.append({"methods": methods, "link": done["link"], "machine": done["machine"]})
+    results = {"config": asdict(replace(cfg, methods=labels)), "labels": list(labels), "budget_s": budget_s,
+               "repeats": repeats, "method_args": spec, "summary": combine(runs, labels, budget_s),
+               "runs": runs}  # fmt: skip
+    results.update(run_record("benchmarks/time_to_quality.py", sys.argv[1:] if argv is None else argv, started))
+    table = write_study(out, results, markdown)
+    plot(results, out)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
