@@ -361,3 +361,20 @@ def test_without_initial_averaging_a_state_must_be_loaded_first():
             averager.step()
 
     run_federation(GROUPS, rank_fn)
+
+
+class GroupMesh:
+    """Just enough of a world DeviceMesh for the sharding check: this rank's group is ranks 0 and 1."""
+
+    mesh = torch.tensor([[0, 1]])
+
+    def __getitem__(self, axes):
+        return self
+
+
+def test_a_model_not_sharded_over_its_group_is_refused_before_any_collective():
+    model, optimizer = build(0)
+    with pytest.raises(
+        ConfigError, match=r"the model is not sharded, but this rank's federation group is ranks \[0, 1\]"
+    ):
+        FederatedAverager(model, optimizer, GroupMesh())
