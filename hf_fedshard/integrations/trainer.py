@@ -83,6 +83,7 @@ class FedShardMixin(Trainer):
         fed_layout: the `FederationLayout` (groups, replicas, shards).
         fed_mesh: the world `DeviceMesh` (`fed`, `dp_replicate`, `dp_shard`), or `None` without federation.
         fed_callback: the `FedAvgCallback`, or `None` with one group.
+        fed_communicator: the cross-group collectives (`FederationCommunicator`), or `None` with one group.
 
     Checkpoints of a federated run hold every group's own shards, are published atomically and resume exactly
     (see `hf_fedshard.checkpointing.checkpoint` and docs/fault_tolerance.md); `save_model` exports the averaged
