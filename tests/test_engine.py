@@ -378,3 +378,21 @@ def test_a_model_not_sharded_over_its_group_is_refused_before_any_collective():
         ConfigError, match=r"the model is not sharded, but this rank's federation group is ranks \[0, 1\]"
     ):
         FederatedAverager(model, optimizer, GroupMesh())
+
+
+def test_with_every_group_diverged_the_check_and_the_lent_model_answer_and_an_averaging_stops():
+    def rank_fn(comm):
+        model, optimizer = build(comm.group)
+        averager = FederatedAverager(model, optimizer, communicator=comm, sync_steps=4)
+        train_step(model, optimizer, comm.group, 1)
+        poison(model)
+        averager.step()
+        assert averager.find_diverged_groups() == [0, 1, 2]
+        with averager.global_model():  # nothing to average: each group keeps its own
+            assert math.isnan(model.first.weight.view(-1)[0].item())
+        for _ in range(2):
+            averager.step()
+        with pytest.raises(RuntimeError, match=r"every federation group \(3\) has NaN/Inf in its model at step 4"):
+            averager.step()
+
+    run_federation(GROUPS, rank_fn)

@@ -365,16 +365,16 @@ class FederatedAverager:
         if published is not None:
             self.counters.delta_norm, self.counters.group_drift = published
             self._norms = None
+        return diverged
+
+    def _contribution(self, diverged: list[int]) -> tuple[bool, int]:
+        """(whether this rank's group sends its Δ, how many groups do); an averaging without any stops training."""
         if len(diverged) == self.comm.num_groups:
             raise RuntimeError(
                 f"hf_fedshard: every federation group ({self.comm.num_groups}) has NaN/Inf in its model at step "
                 f"{self.step_count}; training stopped. Resume from the latest checkpoint (checkpoints are skipped "
                 "while a group has NaN/Inf, so it holds finite weights) with a lower learning_rate or max_grad_norm."
             )
-        return diverged
-
-    def _contribution(self, diverged: list[int]) -> tuple[bool, int]:
-        """(whether this rank's group sends its Δ, how many groups do)."""
         return self.comm.group not in diverged, self.comm.num_groups - len(diverged)
 
     @staticmethod
