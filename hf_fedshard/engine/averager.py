@@ -97,8 +97,10 @@ class FederatedAverager:
         average_initial_weights: bool = True,
     ) -> None:
         options = AveragingOptions(
-            sync_steps, average_optimizer_state, outer_optimizer, outer_lr, outer_momentum, sync_dtype,
-            split_exchange, sync_fragments, sync_overlap, outer_state_on_device, timeout_s,
+            sync_steps=sync_steps, average_optimizer_state=average_optimizer_state, outer_optimizer=outer_optimizer,
+            outer_lr=outer_lr, outer_momentum=outer_momentum, sync_dtype=sync_dtype, split_exchange=split_exchange,
+            sync_fragments=sync_fragments, sync_overlap=sync_overlap, outer_state_on_device=outer_state_on_device,
+            timeout_s=timeout_s,
         )  # fmt: skip
         self.options, self.schedule, self.settings = options, options.schedule, options.settings
         trainable = _check_model_and_optimizer(model, optimizer, mesh)
@@ -197,10 +199,8 @@ class FederatedAverager:
         own = [t.clone() for t in tensors]
         diverged = self._agree(tensors)
         if len(diverged) < self.comm.num_groups:
-            with self._explain():
-                self.counters.inter_group_bytes += plain_mean_over_groups(
-                    tensors, self.comm.peers, self.comm.num_groups - len(diverged), self.comm.group not in diverged
-                )
+            contribute, contributors = self._contribution(diverged)
+            self._plain_mean(tensors, contributors, contribute)
         self._lending = True
         try:
             yield
@@ -216,10 +216,7 @@ class FederatedAverager:
         self._wait_in_flight()
         for fragment in self.fragments:
             fragment.in_flight = None
-        with self._explain():
-            self.counters.inter_group_bytes += plain_mean_over_groups(
-                model_state_tensors(self.model), self.comm.peers, self.comm.num_groups
-            )
+        self._plain_mean(model_state_tensors(self.model))
         for fragment in self.fragments:
             fragment.averaged_at = self.step_count
 
@@ -302,10 +299,8 @@ class FederatedAverager:
                 fragment.outer.step(mean, fragment.of(params))
                 sent_deltas += deltas
                 means += mean
-            if self.schedule.fragments - 1 in indices:
-                self.counters.inter_group_bytes += plain_mean_over_groups(
-                    others, self.comm.peers, contributors, contribute
-                )
+        if self.schedule.fragments - 1 in indices:
+            self._plain_mean(others, contributors, contribute)
         self._norms = Norms.of(sent_deltas, means, contribute, self.comm.group, self.comm.num_groups, contributors)
         _synchronize(tensors)
         self.counters.count(time.perf_counter() - begin, 0.0)
@@ -324,11 +319,8 @@ class FederatedAverager:
         contribute, contributors = self._contribution(diverged)
         snapshots = [p.detach().to(torch.float32, copy=True) for p in fragment.of(params)]
         deltas = self._deltas(fragment.outer, snapshots, contribute)
-        if fragment.index == self.schedule.fragments - 1 and others:
-            with self._explain():
-                self.counters.inter_group_bytes += plain_mean_over_groups(
-                    others, self.comm.peers, contributors, contribute
-                )
+        if fragment.index == self.schedule.fragments - 1:
+            self._plain_mean(others, contributors, contribute)
         future = self._worker.submit(self.exchange.mean, deltas, contributors)
         fragment.in_flight = InFlight(
             fragment.index, step, step + self.schedule.overlap, snapshots, contribute, contributors, diverged,
@@ -366,6 +358,15 @@ class FederatedAverager:
             self.counters.delta_norm, self.counters.group_drift = published
             self._norms = None
         return diverged
+
+    def _plain_mean(
+        self, tensors: list[torch.Tensor], contributors: int | None = None, contribute: bool = True
+    ) -> None:
+        """``tensors`` ← their plain mean over the peers (no outer step), the bytes counted, a failure explained."""
+        with self._explain():
+            self.counters.inter_group_bytes += plain_mean_over_groups(
+                tensors, self.comm.peers, contributors or self.comm.num_groups, contribute
+            )
 
     def _contribution(self, diverged: list[int]) -> tuple[bool, int]:
         """(whether this rank's group sends its Δ, how many groups do); an averaging without any stops training."""
@@ -445,10 +446,7 @@ class FederatedAverager:
     def _average_initial_weights(self) -> None:
         """Step 0's plain average, so that groups initialised differently start from one global model."""
         start = time.perf_counter()
-        with self._explain(0):
-            self.counters.inter_group_bytes += plain_mean_over_groups(
-                model_state_tensors(self.model), self.comm.peers, self.comm.num_groups
-            )
+        self._plain_mean(model_state_tensors(self.model))
         self.counters.count(time.perf_counter() - start, 0.0)
 
     def _describe(self, trainable: list[nn.Parameter], device: torch.device) -> None:
