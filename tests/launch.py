@@ -26,10 +26,8 @@ SGD = [
 ]  # fmt: skip
 
 
-def torchrun(
-    nproc: int, script: str | Path, args: list[str], timeout_s: float = 240, max_restarts: int = 0
-) -> subprocess.CompletedProcess:
-    """Run ``script`` on ``nproc`` local CPU ranks; raise ``TimeoutError`` (after killing it) on a hang.
+def start_torchrun(nproc: int, script: str | Path, args: list[str], max_restarts: int = 0) -> subprocess.Popen:
+    """Start ``script`` on ``nproc`` local CPU ranks (output piped); `finish` waits for it.
 
     With ``max_restarts``, torchrun restarts the whole job after a failure; its rendezvous store is then not
     shared with the workers, whose restarted process groups would otherwise read the dead ones' addresses
@@ -39,17 +37,33 @@ def torchrun(
            f"--max-restarts={max_restarts}", str(script), *map(str, args)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1" if max_restarts else "0", "PYTHONPATH": str(REPO)}  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout_s: float) -> subprocess.CompletedProcess:
+    """Wait for a `start_torchrun` launch; raise ``TimeoutError`` (after killing it and its workers) on a hang."""
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        for pid in [proc.pid, *_descendants(proc.pid)]:  # torchrun starts each worker in a session of its own
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_tree(proc)
         out, _ = proc.communicate(timeout=60)
-        raise TimeoutError(f"{cmd} hung for {timeout_s}s; output:\n{out[-4000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+        raise TimeoutError(f"{proc.args} hung for {timeout_s}s; output:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launch and every process below it (torchrun starts each worker in a session of its own)."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def torchrun(
+    nproc: int, script: str | Path, args: list[str], timeout_s: float = 240, max_restarts: int = 0
+) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nproc`` local CPU ranks; raise ``TimeoutError`` (after killing it) on a hang."""
+    return finish(start_torchrun(nproc, script, args, max_restarts), timeout_s)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -74,3 +88,45 @@ def train_tiny(nproc: int, out_dir: Path, args: list[str], timeout_s: float = 24
                       ["--output_dir", out_dir, "--dump_dir", dump, *SGD, *args], timeout_s, max_restarts)  # fmt: skip
     assert result.returncode == 0, result.stdout[-6000:]
     return [torch.load(dump / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+@contextlib.contextmanager
+def lighthouse(min_groups: int = 1, join_timeout_s: float = 600.0, heartbeat_timeout_s: float = 2.0):
+    """A `python -m hf_fedshard.lighthouse` on a free port for the block; yields its ``--fed_lighthouse`` value."""
+    cmd = [sys.executable, "-m", "hf_fedshard.lighthouse", "--port", "0", "--min_groups", str(min_groups),
+           "--join_timeout_s", str(join_timeout_s), "--heartbeat_timeout_s", str(heartbeat_timeout_s)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert "--fed_lighthouse" in line, f"the lighthouse did not start: {line!r}"
+        yield line.split("--fed_lighthouse", 1)[1].strip()
+    finally:
+        kill_tree(proc)
+        proc.wait(timeout=30)
+
+
+def train_groups(
+    num_groups: int, nproc: int, out_dir: Path, args: list[str], address: str, timeout_s: float = 300
+) -> list[list[dict]]:
+    """Run tests/scripts/train_tiny.py as ``num_groups`` launches of ``nproc`` ranks (fed_transport torchft);
+    every group's ranks' dumps, group by group."""
+    launches = [start_group(g, num_groups, nproc, out_dir, args, address) for g in range(num_groups)]
+    results = [finish(launch, timeout_s) for launch in launches]
+    for result in results:
+        assert result.returncode == 0, result.stdout[-6000:]
+    return [
+        [torch.load(out_dir / f"dump{g}" / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+        for g in range(num_groups)
+    ]
+
+
+def start_group(
+    group: int, num_groups: int, nproc: int, out_dir: Path, args: list[str], address: str, max_restarts: int = 0
+) -> subprocess.Popen:
+    """Start group ``group`` of a torchft federation running tests/scripts/train_tiny.py (dumps in ``dump{G}``)."""
+    elastic = ["--fed_transport", "torchft", "--fed_lighthouse", address, "--fed_group_id", group,
+               "--fed_num_groups", num_groups]  # fmt: skip
+    script_args = ["--output_dir", out_dir, "--dump_dir", out_dir / f"dump{group}", *SGD, *args, *elastic]
+    return start_torchrun(nproc, SCRIPTS / "train_tiny.py", script_args, max_restarts)

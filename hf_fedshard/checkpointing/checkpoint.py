@@ -80,6 +80,17 @@ def complete_checkpoints(output_dir: str | Path) -> list[str]:
     return [os.path.join(output_dir, name) for _, name in sorted(steps, reverse=True)]
 
 
+def steps_every_group_has(output_dir: str) -> set[int] | None:
+    """The checkpoint steps present in every group's folder beside ``output_dir`` (``…/fed_group{G}``), or
+    ``None`` where no other group's folder is visible (no shared file system: each group resumes its own)."""
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    groups = [os.path.join(parent, name) for name in os.listdir(parent) if name.startswith("fed_group")]
+    if len(groups) < 2:
+        return None
+    sets = [{int(c.rsplit("-", 1)[-1]) for c in complete_checkpoints(g)} for g in groups]
+    return set.intersection(*sets)
+
+
 def latest_complete_checkpoint(output_dir: str | Path) -> str | None:
     """The newest of `complete_checkpoints`, or ``None``."""
     return next(iter(complete_checkpoints(output_dir)), None)

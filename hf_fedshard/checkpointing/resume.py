@@ -30,6 +30,7 @@ from hf_fedshard.checkpointing.checkpoint import (
     group_dir,
     outer_state_path,
     set_aside,
+    steps_every_group_has,
 )
 from hf_fedshard.checkpointing.manifest import MANIFEST_NAME, checksum_problem, read_manifest, size_problem
 from hf_fedshard.errors import ConfigError
@@ -54,6 +55,9 @@ def resumable_checkpoint(
         return None
     explicit = isinstance(requested, str)
     candidates = [requested] if explicit else complete_checkpoints(args.output_dir)
+    common = steps_every_group_has(args.output_dir) if args.fed_elastic and not explicit else None
+    if common is not None:  # torchft: a restart of every group resumes from the newest step they all have
+        candidates = [c for c in candidates if int(c.rsplit("-", 1)[-1]) in common]
     if not candidates:
         return requested
     rank = args.process_index

@@ -24,14 +24,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from hf_fedshard.engine.communicator import FederationCommunicator
+from hf_fedshard.engine.communicator import FederationCommunicator, Membership, Round
 from hf_fedshard.engine.control import Norms, agree
 from hf_fedshard.engine.counters import Counters
 from hf_fedshard.engine.exchange import Exchange
@@ -42,6 +43,7 @@ from hf_fedshard.engine.outer import OuterOptimizer, outer_state_device
 from hf_fedshard.engine.overlap import InFlight, Worker
 from hf_fedshard.engine.payload import (
     all_finite,
+    load_model_state,
     model_state_tensors,
     optimizer_state_tensors,
     plain_mean_over_groups,
@@ -54,6 +56,21 @@ from hf_fedshard.errors import ConfigError
 from hf_fedshard.notices import notice
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class _Exchanged:
+    """What a blocking averaging's collectives returned, before anything is applied."""
+
+    diverged: list[int]
+    contribute: bool
+    contributors: int
+    deltas: list[list[torch.Tensor]]  # per fragment, this rank's Δ as sent
+    means: list[list[torch.Tensor]]  # per fragment, the mean Δ
+    plain: list[torch.Tensor]  # the plain means of the rest of the payload
+    sent: int
 
 
 class FederatedAverager:
@@ -106,6 +123,11 @@ class FederatedAverager:
         trainable = _check_model_and_optimizer(model, optimizer, mesh)
         ranges = fragment_ranges(model, trainable, self.schedule.fragments)  # refuses F > units: no collective yet
         self.comm = communicator or _mesh_communicator(mesh, options)
+        if self.comm.membership is not None and self.schedule.streaming:
+            raise ConfigError(
+                "fed_sync_fragments/fed_sync_overlap stream the averaging between rounds, which fed_transport torchft "
+                "does not redo when a group leaves: set --fed_sync_fragments 1 --fed_sync_overlap 0."
+            )
         self.model, self.optimizer, self.before_eval = model, optimizer, before_eval
         self.exchange = Exchange(self.comm.exchange_peers, options.sync_dtype, self.comm.split)
         self.settings_history: History = [(0, self.settings)]
@@ -175,7 +197,7 @@ class FederatedAverager:
         stale = [f.index for f in self.fragments if f.averaged_at < self.step_count]
         if stale:
             self._average(stale)
-        if self._norms is not None:
+        if self._norms is not None and self.comm.membership is None:  # a round of its own is not worth the wait
             self._agree([])
         self._worker.shutdown()
         self._finished = True
@@ -193,6 +215,7 @@ class FederatedAverager:
         if self._identical():
             yield
             return
+        self._refuse_outside_rounds("the global model is lent (an evaluation or an export)")
         if evaluating:
             self._evaluate_groups()
         tensors = model_state_tensors(self.model)
@@ -213,6 +236,7 @@ class FederatedAverager:
     def adopt_plain_average(self) -> None:
         """Make every group's model the groups' plain average now (a collective, no outer step), e.g. after each
         group reloaded its own best checkpoint: what is then saved is one global model."""
+        self._refuse_outside_rounds("every group adopts the plain average (e.g. load_best_model_at_end)")
         self._wait_in_flight()
         for fragment in self.fragments:
             fragment.in_flight = None
@@ -221,13 +245,31 @@ class FederatedAverager:
             fragment.averaged_at = self.step_count
 
     def find_diverged_groups(self) -> list[int]:
-        """The groups holding a NaN/Inf in their payload now (a collective; e.g. before a checkpoint is written)."""
+        """The groups holding a NaN/Inf in their payload now (a collective; e.g. before a checkpoint is written).
+
+        None right after an averaging: every group then holds the global model, finite (the diverged restarted).
+        """
+        if self._identical():
+            return []
+        self._refuse_outside_rounds("the groups are checked for NaN/Inf (e.g. before a checkpoint)")
         return self._agree(self._payload())
+
+    def peer_state(self) -> dict:
+        """What a group that joins needs to take part from now on (a heal): `state_dict` plus this rank's model
+        shards and buffers (copies), right after an averaging, when every group holds the global model."""
+        tensors = [t.detach().clone() for t in model_state_tensors(self.model)]
+        return {"model": tensors, "averager": _cloned(self.state_dict())}
+
+    def load_peer_state(self, state: dict) -> None:
+        """Take a live peer's `peer_state` (same layout and settings): model, anchors, outer state, counters."""
+        load_model_state(self.model, state["model"])
+        self.load_state_dict(state["averager"])
 
     def metrics(self) -> dict[str, float]:
         """The ``fed_*`` values to log (``fed_delta_norm`` and ``fed_group_drift`` are the averaging's before the
-        last one until `finish`, see `hf_fedshard.engine.control`)."""
-        return self.counters.metrics()
+        last one until `finish`, see `hf_fedshard.engine.control`), and the transport's own (torchft's quorum)."""
+        membership = self.comm.membership
+        return {**self.counters.metrics(), **(membership.metrics() if membership is not None else {})}
 
     # ---- Checkpoints ----
 
@@ -281,33 +323,99 @@ class FederatedAverager:
     def _average(self, indices: Sequence[int]) -> None:
         """Average the fragments ``indices`` now, blocking: agree on divergence, exchange Δ, outer step.
 
-        The last fragment carries the rest of the payload (floating buffers, and the moments if asked).
+        The last fragment carries the rest of the payload (floating buffers, and the moments if asked). With a
+        `Membership` this is a round: nothing changes unless every collective succeeded (`_in_round`).
         """
-        step = self.step_count
         tensors = self._payload()
         params, others = tensors[: self._trainable], tensors[self._trainable :]
+        if self.schedule.fragments - 1 not in indices:
+            others = []
         begin = time.perf_counter()
-        diverged = self._agree(tensors)
+
+        def apply(result: _Exchanged) -> None:
+            self._apply_exchanged(indices, params, others, result, time.perf_counter() - begin)
+
+        self._in_round(lambda: self._exchange_fragments(indices, params, others), apply)
+
+    def _exchange_fragments(
+        self, indices: Sequence[int], params: list[torch.Tensor], others: list[torch.Tensor]
+    ) -> _Exchanged:
+        """The collectives of a blocking averaging, changing no state: the agreement, Δ's mean, the plain means."""
+        diverged = self._agree(self._payload())
         contribute, contributors = self._contribution(diverged)
-        sent_deltas, means = [], []
+        deltas, means, sent = [], [], 0
         with self._explain():
             for index in indices:
                 fragment = self.fragments[index]
-                deltas = self._deltas(fragment.outer, fragment.of(params), contribute)
-                mean, sent = self.exchange.mean(deltas, contributors)
-                self.counters.inter_group_bytes += sent
+                fragment_deltas = self._deltas(fragment.outer, fragment.of(params), contribute)
+                mean, nbytes = self.exchange.mean(fragment_deltas, contributors)
+                deltas.append(fragment_deltas)
+                means.append(mean)
+                sent += nbytes
+        plain = others if self.comm.membership is None else [t.clone() for t in others]
+        self._plain_mean(plain, contributors, contribute)
+        return _Exchanged(diverged, contribute, contributors, deltas, means, plain, sent)
+
+    def _apply_exchanged(
+        self,
+        indices: Sequence[int],
+        params: list[torch.Tensor],
+        others: list[torch.Tensor],
+        result: _Exchanged,
+        seconds: float,
+    ) -> None:
+        """The outer step of each fragment on its mean Δ, the plain means adopted, the averaging counted."""
+        self.counters.inter_group_bytes += result.sent
+        with torch.no_grad():
+            for index, mean in zip(indices, result.means, strict=True):
+                fragment = self.fragments[index]
                 fragment.outer.step(mean, fragment.of(params))
-                sent_deltas += deltas
-                means += mean
-        if self.schedule.fragments - 1 in indices:
-            self._plain_mean(others, contributors, contribute)
-        self._norms = Norms.of(sent_deltas, means, contribute, self.comm.group, self.comm.num_groups, contributors)
-        _synchronize(tensors)
-        self.counters.count(time.perf_counter() - begin, 0.0)
-        for index in indices:
-            self.fragments[index].averaged_at = step
-        if diverged:
-            self._restart_diverged(diverged, params, keep=indices)
+                fragment.averaged_at = self.step_count
+            for tensor, averaged in zip(others, result.plain, strict=True):
+                if tensor is not averaged:
+                    tensor.copy_(averaged)
+        sent_deltas = [d for deltas in result.deltas for d in deltas]
+        means = [m for fragment_means in result.means for m in fragment_means]
+        self._norms = Norms.of(
+            sent_deltas, means, result.contribute, self.comm.group, self.comm.num_groups, result.contributors
+        )
+        _synchronize(params)
+        self.counters.count(seconds, 0.0)
+        if result.diverged:
+            self._restart_diverged(result.diverged, params, keep=indices)
+
+    def _in_round(self, attempt: Callable[[], _T], apply: Callable[[_T], None]) -> None:
+        """``apply(attempt())``; with a `Membership`, once the round commits, redoing it over each new quorum.
+
+        ``attempt`` runs the collectives and changes nothing; ``apply`` changes the state. A group whose round
+        failed where the others' committed takes a live peer's state in `Membership.next_round` (a heal): its
+        round is then over.
+        """
+        membership = self.comm.membership
+        if membership is None:
+            apply(attempt())
+            return
+        while True:
+            result = attempt()
+            if membership.commit():
+                apply(result)
+                self._next_round(membership)
+                return
+            if self.comm.control.rank() == 0:
+                logger.warning(
+                    "hf_fedshard: the averaging at step %d failed (a group left or a link broke): forming a new "
+                    "quorum and averaging again among the groups alive.",
+                    self.step_count,
+                )
+            if self._next_round(membership).healed:
+                return
+
+    def _next_round(self, membership: Membership) -> Round:
+        """The next quorum; the pending norms are dropped where it changed (their slots were the old quorum's)."""
+        next_round = membership.next_round()
+        if next_round.changed:
+            self._norms = None
+        return next_round
 
     def _start(self, fragment: Fragment) -> None:
         """Start ``fragment``'s exchange on the worker thread; `_apply` finishes it ``overlap`` steps later."""
@@ -446,8 +554,30 @@ class FederatedAverager:
     def _average_initial_weights(self) -> None:
         """Step 0's plain average, so that groups initialised differently start from one global model."""
         start = time.perf_counter()
-        self._plain_mean(model_state_tensors(self.model))
-        self.counters.count(time.perf_counter() - start, 0.0)
+        tensors = model_state_tensors(self.model)
+
+        def attempt() -> list[torch.Tensor]:
+            means = tensors if self.comm.membership is None else [t.clone() for t in tensors]
+            self._plain_mean(means)
+            return means
+
+        def apply(means: list[torch.Tensor]) -> None:
+            with torch.no_grad():
+                for tensor, mean in zip(tensors, means, strict=True):
+                    if tensor is not mean:
+                        tensor.copy_(mean)
+            self.counters.count(time.perf_counter() - start, 0.0)
+
+        self._in_round(attempt, apply)
+
+    def _refuse_outside_rounds(self, what: str) -> None:
+        """With a `Membership` every cross-group collective belongs to an averaging's round: refuse the others."""
+        if self.comm.membership is not None:
+            raise ConfigError(
+                f"hf_fedshard: at step {self.step_count} {what} between two averagings, which needs the groups "
+                "outside an averaging; with fed_transport torchft that happens only at averaging steps. Set "
+                "eval_steps/save_steps to multiples of fed_sync_steps (and keep load_best_model_at_end off)."
+            )
 
     def _describe(self, trainable: list[nn.Parameter], device: torch.device) -> None:
         """Say once, on rank 0, how the model is averaged and the outer state's memory per rank."""
@@ -512,6 +642,17 @@ def _check_sharded_on(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
                 'Shard it with fully_shard(module, mesh=mesh["dp_replicate", "dp_shard"]) before building the '
                 "averager."
             )
+
+
+def _cloned(state: object) -> object:
+    """``state`` with every tensor copied, so that training on does not change what a peer is sent."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _cloned(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_cloned(v) for v in state)
+    return state
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -11,6 +11,10 @@ The engine never calls ``torch.distributed`` itself. A transport (``hf_fedshard.
 - ``exchange``: the peers the exchange of Δ runs over: ``peers`` itself, or (with overlap) a second set of the same
   ranks that the worker thread alone uses, since two threads must not share a process group.
 - ``split``: the group's HSDP replicas that the exchange splits its payload over (FL+HSDP), or ``None``.
+- ``membership``: ``None`` where the set of groups is fixed for the job (one job, `hf_fedshard.transports.mesh`);
+  a `Membership` where groups may leave and join between averagings (`hf_fedshard.transports.elastic`): there
+  ``peers.size()`` and ``peers.rank()`` follow the quorum of the groups alive, and every averaging commits or
+  is redone over the next quorum.
 
 Tests run the whole engine in one process with a fake `Communicator` per rank (threads meeting at barriers).
 """
@@ -60,6 +64,31 @@ class ProcessGroupCommunicator:
         all_gather_single(output, input, group=self.group)
 
 
+class Membership(Protocol):
+    """A transport whose set of groups may change between averagings.
+
+    An averaging is a *round*: its collectives run over the quorum formed before it, then `commit` says whether
+    every one of them succeeded on every rank of this group. Only a committed round changes any state; after it
+    (or after a failed one) `next_round` forms the quorum of the groups alive for the next. A group that is behind
+    (it failed a round the others committed, or it has just started) takes a live peer's state there instead.
+    """
+
+    def commit(self) -> bool: ...
+
+    def next_round(self) -> Round: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class Round:
+    """What `Membership.next_round` did: ``healed``: this group took a peer's state; ``changed``: the quorum is
+    not the previous round's (groups left or joined)."""
+
+    healed: bool = False
+    changed: bool = False
+
+
 @dataclass(frozen=True)
 class FederationCommunicator:
     """What a transport hands the engine (see the module docstring for each set of ranks).
@@ -72,6 +101,7 @@ class FederationCommunicator:
         hsdp_replicas: ranks of one group holding the same shard (1 for FL+FSDP), to turn shard norms into model
             norms.
         timeout: how the limit on a cross-group collective is named in errors, e.g. ``"fed_timeout_s=30"``.
+        membership: the rounds of a transport whose groups may change (`Membership`); ``None``: a fixed set.
     """
 
     peers: Communicator
@@ -80,6 +110,7 @@ class FederationCommunicator:
     split: Communicator | None = None
     hsdp_replicas: int = 1
     timeout: str = "the process groups' timeout"
+    membership: Membership | None = None
 
     @property
     def num_groups(self) -> int:

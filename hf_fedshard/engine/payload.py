@@ -121,6 +121,13 @@ def plain_mean_over_groups(
 
 
 @torch.no_grad()
+def load_model_state(model: nn.Module, values: Sequence[torch.Tensor]) -> None:
+    """Copy ``values`` (`model_state_tensors` of a model of the same layout) into ``model``'s own."""
+    for tensor, value in zip(model_state_tensors(model), values, strict=True):
+        tensor.copy_(value)
+
+
+@torch.no_grad()
 def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Zero every tensor of the optimizer state (moments and step counts) in place.
 

@@ -31,6 +31,8 @@ from hf_fedshard.integrations.timeouts import start_world_process_group
 from hf_fedshard.notices import notice as _notice
 from hf_fedshard.transports.mesh import FederationLayout
 
+TRANSPORTS = ("mesh", "torchft")
+
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() in ("1", "true", "yes")
@@ -85,6 +87,17 @@ class FedShardArgumentsMixin:
         fed_auto_resume (`bool`, defaults to `False`): `train()` resumes from the newest verifying checkpoint in
             `output_dir` when there is one (and starts afresh otherwise), so that a job restarted by
             `torchrun --max-restarts=N` continues where it stopped. Needs `save_strategy="steps"` or `"epoch"`.
+
+    Transport (docs/fault_tolerance.md, "Groups that die and join"):
+        fed_transport (`str`, defaults to `"mesh"`): `"mesh"`: every group in one job (one launch, one
+            `torch.distributed` world); a failed rank stops the job. `"torchft"`: every group is its own launch
+            and averages through torchft with the groups alive (needs `pip install 'hf_fedshard[elastic]'`).
+        fed_lighthouse (`str`, *optional*): torchft: the Lighthouse's address, `http://HOST:PORT`
+            (`python -m hf_fedshard.lighthouse`).
+        fed_group_id (`int`, *optional*): torchft: this launch's group, in `0 … fed_num_groups - 1`.
+        fed_num_groups (`int`, *optional*): torchft: the nominal number of groups; group G reads slice G of N
+            of every epoch (what its ranks would read with `mesh`).
+        With torchft every group writes into `output_dir/fed_group{G}` (checkpoints, logs, the exported model).
 
     Batch arithmetic: one optimizer step of one group sees
     `per_device_train_batch_size × fed_group_size × gradient_accumulation_steps` samples (the *group batch*);
@@ -185,8 +198,30 @@ class FedShardArgumentsMixin:
         },
     )
 
+    fed_transport: str = field(
+        default="mesh",
+        metadata={
+            "help": "mesh: every group in one job. torchft: every group its own launch, averaging with the groups "
+            "alive (a dead group costs the others nothing).",
+            "choices": list(TRANSPORTS),
+        },
+    )
+    fed_lighthouse: str | None = field(
+        default=None, metadata={"help": "torchft: the Lighthouse's address, http://HOST:PORT."}
+    )
+    fed_group_id: int | None = field(
+        default=None, metadata={"help": "torchft: this launch's federation group, 0 … fed_num_groups - 1."}
+    )
+    fed_num_groups: int | None = field(
+        default=None,
+        metadata={"help": "torchft: the nominal number of groups (group G reads slice G of N of every epoch)."},
+    )
+
     def __post_init__(self) -> None:
         # Adjust FSDP, use_cpu and token averaging before TrainingArguments reads them.
+        self._check_transport()
+        if self.fed_elastic:  # every group writes its own checkpoints, logs and exports: no barrier across groups
+            self.output_dir = os.path.join(self.output_dir or "trainer_output", f"fed_group{self.fed_group_id}")
         options = self.fed_averaging_options  # checks the averaging settings, one line each
         layout = self.fed_layout  # validates the sizes against WORLD_SIZE before any process group exists
         if layout.federated and 0 < self.max_steps < options.sync_steps:
@@ -211,6 +246,8 @@ class FedShardArgumentsMixin:
         if layout.federated:
             self.average_tokens_across_devices = False
         super().__post_init__()
+        if self.fed_elastic:
+            self._check_elastic_schedule()
         if self.fed_eval_per_group and not self.fed_evaluates_groups:
             _notice(
                 "fed_eval_per_group has no effect %s",
@@ -260,7 +297,12 @@ class FedShardArgumentsMixin:
     @property
     def fed_requested(self) -> bool:
         """True when any federation setting is given (even one group of HSDP through `fed_shard_size`)."""
-        return self.fed_group_size is not None or self.fed_shard_size is not None
+        return self.fed_group_size is not None or self.fed_shard_size is not None or self.fed_elastic
+
+    @property
+    def fed_elastic(self) -> bool:
+        """True with ``fed_transport torchft``: this launch is one group of a federation of launches."""
+        return self.fed_transport == "torchft"
 
     @property
     def fed_evaluates_groups(self) -> bool:
@@ -269,8 +311,75 @@ class FedShardArgumentsMixin:
 
     @property
     def fed_layout(self) -> FederationLayout:
-        """The federation layout of this job (needs only the `WORLD_SIZE` environment variable)."""
+        """The federation layout (needs only the `WORLD_SIZE` environment variable); with torchft, the nominal
+        one of ``fed_num_groups`` launches like this one."""
+        launch = self.fed_launch_layout
+        if not self.fed_elastic:
+            return launch
+        return FederationLayout(launch.world_size * self.fed_num_groups, launch.group_size, launch.shard_size)
+
+    @property
+    def fed_launch_layout(self) -> FederationLayout:
+        """This launch's ranks: the whole federation with ``mesh``, one group with torchft."""
         return FederationLayout.from_env(self.fed_group_size, self.fed_shard_size)
+
+    def fed_group_index(self, process_index: int) -> int:
+        """The federation group of the rank ``process_index`` of this launch."""
+        return self.fed_group_id if self.fed_elastic else self.fed_layout.group_index(process_index)
+
+    def _check_transport(self) -> None:
+        """The transport's own settings, before any process group (one line each)."""
+        if self.fed_transport not in TRANSPORTS:
+            raise ConfigError(
+                f"fed_transport={self.fed_transport!r} is unknown. Set --fed_transport to one of "
+                f"{', '.join(TRANSPORTS)}."
+            )
+        torchft_only = {"fed_lighthouse": self.fed_lighthouse, "fed_group_id": self.fed_group_id,
+                        "fed_num_groups": self.fed_num_groups}  # fmt: skip
+        if not self.fed_elastic:
+            given = [name for name, value in torchft_only.items() if value is not None]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} belong to fed_transport torchft (every group its own launch). Add "
+                    "--fed_transport torchft, or drop them."
+                )
+            return
+        missing = [name for name, value in torchft_only.items() if value is None]
+        if missing:
+            raise ConfigError(
+                f"fed_transport torchft needs {', '.join(missing)}: e.g. --fed_lighthouse http://HOST:29510 "
+                "--fed_group_id 0 --fed_num_groups 4 (python -m hf_fedshard.lighthouse prints the address)."
+            )
+        if self.fed_num_groups < 1 or not 0 <= self.fed_group_id < self.fed_num_groups:
+            raise ConfigError(
+                f"fed_group_id={self.fed_group_id} must be in 0 … fed_num_groups - 1 (fed_num_groups="
+                f"{self.fed_num_groups}). Give each launch its own id below --fed_num_groups."
+            )
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.fed_group_size not in (None, world):
+            raise ConfigError(
+                f"fed_group_size={self.fed_group_size} but this launch has WORLD_SIZE={world}: with fed_transport "
+                "torchft every launch is one group. Drop --fed_group_size (or launch that many ranks per group)."
+            )
+
+    def _check_elastic_schedule(self) -> None:
+        """With torchft the groups meet only in averagings: what would need them in between is refused."""
+        sync = self.fed_sync_steps
+        for name, strategy, steps in (
+            ("eval_steps", self.eval_strategy, self.eval_steps),
+            ("save_steps", self.save_strategy, self.save_steps),
+        ):
+            if strategy == IntervalStrategy.STEPS and steps and (steps < 1 or int(steps) % sync):
+                raise ConfigError(
+                    f"{name}={steps} is not a multiple of fed_sync_steps={sync}: with fed_transport torchft the "
+                    "groups hold one global model only at averaging steps. Set --"
+                    f"{name} to a multiple of {sync}."
+                )
+        if self.load_best_model_at_end or self.fed_eval_per_group:
+            raise ConfigError(
+                "load_best_model_at_end and fed_eval_per_group compare the groups outside an averaging, which "
+                "fed_transport torchft does not do. Turn them off."
+            )
 
     def check_train_dataset_size(self, num_samples: int) -> None:
         """Refuse a dataset smaller than the world's first step, which the sampler would pad with repeats.
@@ -293,7 +402,7 @@ class FedShardArgumentsMixin:
         Each rank reads num_samples ÷ WORLD_SIZE samples; below one batch, Trainer evaluates nothing and logs
         no eval_loss, which surfaces later as a KeyError far from its cause.
         """
-        world = self.fed_layout.world_size
+        world = self.fed_launch_layout.world_size  # torchft: each group evaluates over its own ranks
         world_batch = self.per_device_eval_batch_size * world
         if self.dataloader_drop_last and num_samples < world_batch:
             fix = (

@@ -69,7 +69,7 @@ class FedAvgCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         # A fresh run averages the initial weights into the first anchor; a resumed one takes its checkpoint's.
-        resuming = state.global_step > 0
+        resuming = state.global_step > 0 or self._resume_state is not None  # a checkpoint or a heal
         self.averager = FederatedAverager(
             model, optimizer, communicator=self.communicator, before_eval=self._before_eval,
             average_initial_weights=not resuming, **asdict(self.options),

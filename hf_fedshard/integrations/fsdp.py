@@ -71,18 +71,25 @@ def use_federation_mesh(accelerator: Accelerator, layout: FederationLayout) -> D
 
 
 @contextlib.contextmanager
-def world_data_view(accelerator: Accelerator) -> Iterator[None]:
+def world_data_view(
+    accelerator: Accelerator, group: int | None = None, num_groups: int | None = None
+) -> Iterator[None]:
     """Hide the mesh while preparing a data loader, so batches are sharded over every rank of the world.
 
     Accelerate derives the number of data shards from the mesh's dp axes, which span one group; every group
-    must read its own slice of the data.
+    must read its own slice of the data. With ``group`` (this launch is group ``group`` of ``num_groups``
+    launches, torchft) the shards are those of the federation's world, so the group reads what its ranks would
+    read in one job of ``num_groups`` groups.
     """
-    mesh = accelerator.state.device_mesh
-    accelerator.state.device_mesh = None
+    state = accelerator.state
+    saved = state.device_mesh, state.num_processes, state.process_index
+    state.device_mesh = None
+    if group is not None:
+        state.num_processes, state.process_index = num_groups * saved[1], group * saved[1] + saved[2]
     try:
         yield
     finally:
-        accelerator.state.device_mesh = mesh
+        state.device_mesh, state.num_processes, state.process_index = saved
 
 
 @dataclass

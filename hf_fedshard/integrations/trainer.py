@@ -28,6 +28,7 @@ from hf_fedshard.checkpointing.checkpoint import (
     load_averaging_state,
     load_group_model,
     load_group_optimizer,
+    read_counters,
     reading,
     save_averaging_state,
     save_group_model,
@@ -35,21 +36,25 @@ from hf_fedshard.checkpointing.checkpoint import (
     write_layout_record,
 )
 from hf_fedshard.checkpointing.resume import load_on_every_rank, resumable_checkpoint
-from hf_fedshard.engine import FederationCommunicator
+from hf_fedshard.engine import FederationCommunicator, ProcessGroupCommunicator
+from hf_fedshard.engine.payload import load_model_state
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.arguments import FedShardArgumentsMixin, FedShardTrainingArguments
 from hf_fedshard.integrations.callback import FedAvgCallback
 from hf_fedshard.integrations.card import CARD_EXTRAS, TrainingClock, clock_hidden, extend_card
+from hf_fedshard.integrations.elastic import NOT_READY, federation_fingerprint, peer_state, resume_folder
 from hf_fedshard.integrations.fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
 from hf_fedshard.integrations.group_eval import evaluate_each_group
 from hf_fedshard.integrations.group_gather import gathers_within_group
 from hf_fedshard.integrations.timeouts import explain_stalled_collectives
 from hf_fedshard.notices import notice
+from hf_fedshard.transports.elastic import ElasticFederation
 from hf_fedshard.transports.mesh import (
     FederationLayout,
     destroy_gloo_groups_at_exit,
     group_process_group,
     mesh_communicator,
+    replica_process_group,
 )
 
 logger = logging.getLogger(__name__)
@@ -95,6 +100,8 @@ class FedShardMixin(Trainer):
         self.fed_mesh: DeviceMesh | None = None
         self.fed_callback: FedAvgCallback | None = None
         self.fed_communicator: FederationCommunicator | None = None
+        self.fed_federation: ElasticFederation | None = None
+        self._peer_state: dict | None = None  # a live peer's state this group healed from, until training takes it
         self._card_kwargs: dict[str, Any] = {}
         self._group_eval: tuple[int, dict[str, float]] | None = None  # (step, metrics) of the last group eval
         super().__init__(*args, **kwargs)
@@ -108,12 +115,20 @@ class FedShardMixin(Trainer):
             )
         destroy_gloo_groups_at_exit()
         self.add_callback(TrainingClock())
-        if self.fed_layout.federated:
+        if self.args.fed_elastic:
+            self.fed_federation = self._join_federation_of_launches()
+            split = self.args.fed_split_exchange and self.fed_layout.replicas > 1
+            self.fed_communicator = self.fed_federation.communicator(
+                ProcessGroupCommunicator(replica_process_group(self.fed_mesh)) if split else None,
+                self.fed_layout.replicas, _timeout_setting(self.args),
+            )  # fmt: skip
+        elif self.fed_layout.federated:
             self.fed_communicator = mesh_communicator(
                 self.fed_layout, self.fed_mesh, self.args.fed_exchange_timeout_s,
                 overlap=self.args.fed_sync_overlap > 0, split=self.args.fed_split_exchange,
                 timeout=_timeout_setting(self.args),
             )  # fmt: skip
+        if self.fed_communicator is not None:
             before_eval = self._evaluate_each_group if self.args.fed_eval_per_group else None
             self.fed_callback = FedAvgCallback(self.fed_communicator, self.args.fed_averaging_options, before_eval)
             self.add_callback(self.fed_callback)
@@ -149,7 +164,7 @@ class FedShardMixin(Trainer):
         ensure_fsdp(self.accelerator, plugin)
         self.is_fsdp_enabled = True
         if self.args.fed_requested:
-            self.fed_mesh = use_federation_mesh(self.accelerator, self.fed_layout)
+            self.fed_mesh = use_federation_mesh(self.accelerator, self.args.fed_launch_layout)
 
     def _batch_arithmetic(self) -> str:
         group_batch = (
@@ -163,7 +178,8 @@ class FedShardMixin(Trainer):
 
     def _get_dataloader(self, dataset: Any, description: str, *args: Any, **kwargs: Any):
         # Accelerate shards batches over the mesh's dp axes (one group); groups must read disjoint data.
-        with world_data_view(self.accelerator):
+        group = self.args.fed_group_id if self.args.fed_elastic and kwargs.get("is_training") else None
+        with world_data_view(self.accelerator, group, self.args.fed_num_groups):
             dataloader = super()._get_dataloader(dataset, description, *args, **kwargs)
         # An evaluation without a batch would log no eval_loss; its length is the same on every rank.
         if not kwargs.get("is_training") and has_length(dataset) and len(dataloader) == 0:
@@ -230,18 +246,71 @@ class FedShardMixin(Trainer):
         if self.args.fed_requested:  # beside Trainer's "Total train batch size" (the world's), at the default level
             notice("%s; %s", self.fed_layout.describe(), self._batch_arithmetic())
         auto = resume_from_checkpoint is None and self.args.fed_auto_resume
+        layout = self.args.fed_launch_layout  # what a checkpoint holds: this job's groups (torchft: its one group)
         if self.fed_callback is not None:
-            resume_from_checkpoint = resumable_checkpoint(
-                resume_from_checkpoint, self.args, self.fed_layout, self.model
-            )
+            resume_from_checkpoint = resumable_checkpoint(resume_from_checkpoint, self.args, layout, self.model)
         elif auto:
             resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
         if isinstance(resume_from_checkpoint, str):
-            check_resumable(resume_from_checkpoint, self.fed_layout, self.model)  # one group refuses federated ones
+            check_resumable(resume_from_checkpoint, layout, self.model)  # one group refuses federated ones
             if auto and self.args.should_log:
                 logger.warning("hf_fedshard: fed_auto_resume: resuming from %s", resume_from_checkpoint)
-        with explain_stalled_collectives(lambda: self.state.global_step, self.args.ddp_timeout):
-            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        if self.fed_federation is not None:
+            resume_from_checkpoint = self._join_quorum(resume_from_checkpoint)
+        try:
+            with explain_stalled_collectives(lambda: self.state.global_step, self.args.ddp_timeout):
+                return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        finally:
+            if self.fed_federation is not None:
+                self.fed_federation.shutdown()
+
+    # ---- fed_transport torchft: groups that join and leave ----
+
+    def _join_federation_of_launches(self) -> ElasticFederation:
+        """This launch's torchft side (its Manager reaches the lighthouse now; the first quorum waits for train)."""
+        return ElasticFederation(
+            lighthouse=self.args.fed_lighthouse, group_id=self.args.fed_group_id,
+            num_groups=self.args.fed_num_groups, group=torch.distributed.group.WORLD,
+            timeout_s=self.args.fed_exchange_timeout_s, fingerprint=federation_fingerprint(self),
+            provide=lambda: peer_state(self), receive=self._take_peer_state,
+        )  # fmt: skip
+
+    def _join_quorum(self, checkpoint: str | None) -> str | None:
+        """Join the federation's quorum before training: a group behind the others resumes from a live peer's state
+        (a temporary folder holds its trainer_state.json), one level with them from ``checkpoint`` or afresh."""
+        if checkpoint is not None:
+            syncs = read_counters(checkpoint, self._group_index, self.args.process_index)["syncs"]
+            self.fed_federation.start_at(int(syncs))
+        self.fed_federation.join()
+        if self._peer_state is None:
+            return checkpoint
+        folder = resume_folder(self._peer_state)
+        if self.args.should_log:
+            logger.warning(
+                "hf_fedshard: fed_group%d healed from a live group: resuming at step %d with the global model, its "
+                "anchors and outer state; the inner optimizer starts afresh.",
+                self.args.fed_group_id, self._peer_state["trainer"]["global_step"],
+            )  # fmt: skip
+        return folder
+
+    def _take_peer_state(self, state: dict) -> None:
+        """A live peer's state, sent when this group heals: kept for the resume before training, loaded after a
+        round this group lost while the others committed it (same step)."""
+        if state.get(NOT_READY):
+            raise RuntimeError(
+                f"hf_fedshard: fed_group{self.args.fed_group_id} is behind the federation, but the group it would heal "
+                "from has not started training yet (it is resuming too). Restart this group once the others train."
+            )
+        averager = self.fed_callback.averager
+        if averager is None:
+            self._peer_state = state
+            return
+        if state["trainer"]["global_step"] != self.state.global_step:
+            raise RuntimeError(
+                f"hf_fedshard: fed_group{self.args.fed_group_id} at step {self.state.global_step} was sent a peer's "
+                f"state of step {state['trainer']['global_step']}; the groups left each other's schedule."
+            )
+        averager.load_peer_state(state["averager"])
 
     @property
     def _group_pg(self) -> ProcessGroup:
@@ -250,7 +319,8 @@ class FedShardMixin(Trainer):
 
     @property
     def _group_index(self) -> int:
-        return self.fed_layout.group_index(self.args.process_index)
+        """This rank's group in this job's checkpoints (torchft: 0, each group writes its own)."""
+        return self.args.fed_launch_layout.group_index(self.args.process_index)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         # Trainer's FSDP save runs DCP over the world, where groups would write the same keys, and in place:
@@ -303,9 +373,10 @@ class FedShardMixin(Trainer):
             self._save_scaler(checkpoint)
             self._save_rng_state(checkpoint)
         state = self.fed_callback.averager.state_dict()
-        save_averaging_state(checkpoint, self.fed_layout, self.args.process_index, state)
+        layout = self.args.fed_launch_layout
+        save_averaging_state(checkpoint, layout, self.args.process_index, state)
         if self.args.should_save:
-            write_layout_record(checkpoint, self.fed_layout, self.model)
+            write_layout_record(checkpoint, layout, self.model)
             config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
             if config is not None:
                 config.save_pretrained(checkpoint)
@@ -334,19 +405,26 @@ class FedShardMixin(Trainer):
         # Each rank reads its own group's shards and FedAvg counters; every rank learns of any rank's failure.
         if self.fed_callback is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self._peer_state is not None:  # a heal: the peer's global model and averaging state, from memory
+            load_model_state(model or self.model, self._peer_state["averager"]["model"])
+            return self.fed_callback.load_state_dict(self._peer_state["averager"]["averager"])
         load_on_every_rank(resume_from_checkpoint, lambda: self._load_federated_state(resume_from_checkpoint, model))
 
     def _load_federated_state(self, checkpoint: str, model: nn.Module | None) -> None:
         """This rank's model shards and averaging state (`_save_federated_state`'s)."""
         group = group_dir(checkpoint, self._group_index)
         load_group_model(model or self.model, os.path.join(group, "model"), self._group_pg)
-        rank, device = self.args.process_index, self.args.device
-        self.fed_callback.load_state_dict(load_averaging_state(checkpoint, self.fed_layout, rank, device))
+        rank, device, layout = self.args.process_index, self.args.device, self.args.fed_launch_layout
+        self.fed_callback.load_state_dict(load_averaging_state(checkpoint, layout, rank, device))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # Each group reads its own optimizer state; a save_only_model checkpoint has none, as with Trainer.
         if self.fed_callback is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        if self._peer_state is not None:  # a heal: the peer's schedule; the inner optimizer starts afresh
+            self.lr_scheduler.load_state_dict(self._peer_state["scheduler"])
+            self._peer_state = None
+            return
         directory = os.path.join(group_dir(checkpoint, self._group_index), "optimizer")
         if not os.path.isdir(directory):
             return

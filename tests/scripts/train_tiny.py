@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     recorder = Recorder()
     trainer.add_callback(recorder)
     if isinstance(trainer, FedShardTrainer):
-        trainer.add_callback(Faults(script, args.process_index, trainer.fed_layout.group_index(args.process_index)))
+        trainer.add_callback(Faults(script, args.process_index, args.fed_group_index(args.process_index)))
     eval_params = EvalParamsRecorder(trainer) if script.record_eval_params else None
     syncs = SyncRecorder(trainer) if script.record_syncs else None
     if syncs is not None:

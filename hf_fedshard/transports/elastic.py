@@ -1,0 +1,290 @@
+"""The torchft transport: every federation group is its own launch, and groups may die and join between averagings.
+
+Each group runs under its own ``torchrun``/``accelerate launch`` (its own rendezvous, FSDP2/HSDP over its own
+ranks). Across groups, a torchft `Manager` on every rank asks the Lighthouse (`hf_fedshard.lighthouse`) for the
+quorum of the groups alive before each averaging, and reconfigures a gloo (or NCCL) process group over the ranks
+at this rank's position in those groups: the engine's ``peers``. An averaging is a round (`Membership`):
+
+- it runs over the groups of its quorum and commits only if every collective succeeded on every rank of the
+  group (torchft's ``should_commit``); otherwise the group forms a new quorum with the groups still alive and
+  averages again, its local progress kept;
+- after a committed round the next quorum is formed at once, while every group holds the global model: a group
+  that starts (or one whose round failed where the others' committed) is behind the others' averaging count and
+  heals there from a live peer, through torchft's checkpoint transport (`FederatedAverager.peer_state` plus what
+  the training loop adds, see `ElasticFederation.provide`).
+
+The control all-reduce (every rank of the federation) is an all-reduce inside the group, then across the quorum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
+
+from hf_fedshard.engine.communicator import (
+    Communicator,
+    FederationCommunicator,
+    ProcessGroupCommunicator,
+    Round,
+)
+from hf_fedshard.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _import_torchft() -> Any:
+    try:
+        import torchft
+    except ImportError as err:
+        raise ConfigError(
+            "fed_transport torchft needs torchft: pip install 'hf_fedshard[elastic]' (torchft-nightly)."
+        ) from err
+    for name in ("torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.WARNING)  # one INFO line per averaging otherwise
+    return torchft
+
+
+class QuorumPeers:
+    """A `Communicator` over the ranks at this rank's position in the groups of the current quorum.
+
+    A failed collective is reported to the `Manager` (the round will not commit) and leaves zeros in its output, so
+    nothing that follows in the round acts on garbage; the collectives after it are skipped.
+    """
+
+    def __init__(self, manager: Any, pg: ProcessGroup) -> None:
+        self.manager, self.pg = manager, pg
+
+    def size(self) -> int:
+        return self.manager.num_participants()
+
+    def rank(self) -> int:
+        return self.manager.participating_rank()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        self._run(lambda: self.pg.allreduce([tensor], opts), tensor)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._run(lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions()), output)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        parts = list(output.chunk(self.size()))
+        self._run(lambda: self.pg.allgather([parts], [input], AllgatherOptions()), output)
+
+    def _run(self, collective: Callable[[], Any], output: torch.Tensor) -> None:
+        if self.manager.errored() is None:
+            try:
+                collective().wait()
+                return
+            except Exception as err:  # a peer died or timed out: this round is lost, the next quorum redoes it
+                self.manager.report_error(err)
+        output.zero_()
+
+
+class GroupThenQuorum:
+    """A `Communicator` over every rank of every group in the quorum: the sum inside the group, then across."""
+
+    def __init__(self, group: ProcessGroup, peers: QuorumPeers) -> None:
+        self.group, self.peers = ProcessGroupCommunicator(group), peers
+
+    def size(self) -> int:
+        return self.group.size() * self.peers.size()
+
+    def rank(self) -> int:
+        return self.peers.rank() * self.group.size() + self.group.rank()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        self.group.all_reduce_sum(tensor)
+        self.peers.all_reduce_sum(tensor)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        raise NotImplementedError("the control collective is an all-reduce")
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        raise NotImplementedError("the control collective is an all-reduce")
+
+
+class ElasticFederation:
+    """This rank's side of a federation whose groups are separate launches (``fed_transport torchft``).
+
+    Construct it on every rank of a group once its launch's process group exists; the first quorum is formed by
+    `join`, before training starts, so that a group joining a running federation can take a live peer's state as
+    its starting point (``join`` returns it).
+
+    Args:
+        lighthouse: the Lighthouse's address, ``http://HOST:PORT`` (``fed_lighthouse``).
+        group_id: this group's id, ``0 ≤ group_id < num_groups`` (``fed_group_id``).
+        num_groups: the nominal number of groups (``fed_num_groups``).
+        group: the launch's process group (this group's ranks).
+        timeout_s: how long a collective, a quorum or a heal waits (``fed_timeout_s``).
+        fingerprint: the settings every group must share (checked when groups meet).
+        provide: returns this rank's state for a joining peer (called right after a committed averaging).
+        receive: takes a peer's state (`provide`'s) when this group heals.
+    """
+
+    def __init__(
+        self,
+        *,
+        lighthouse: str,
+        group_id: int,
+        num_groups: int,
+        group: ProcessGroup,
+        timeout_s: float,
+        fingerprint: str,
+        provide: Callable[[], dict],
+        receive: Callable[[dict], None],
+    ) -> None:
+        torchft = _import_torchft()
+        self.group_id, self.num_groups, self.group = group_id, num_groups, group
+        self.fingerprint, self.provide, self.receive = fingerprint, provide, receive
+        self.heals = 0
+        self.quorum_seconds = 0.0
+        self._healed = False
+        self._quorum_id: int | None = None
+        timeout = timedelta(seconds=timeout_s)
+        use_cuda = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
+        pg = torchft.ProcessGroupNCCL(timeout=timeout) if use_cuda else torchft.ProcessGroupGloo(timeout=timeout)
+        self._store = _group_store(group)
+        self.manager = torchft.Manager(
+            pg=pg, load_state_dict=self._receive, state_dict=self._provide, min_replica_size=1,
+            use_async_quorum=False, init_sync=False, timeout=timeout, quorum_timeout=timeout,
+            connect_timeout=timeout, rank=dist.get_rank(group), world_size=dist.get_world_size(group),
+            store_addr=self._store.host, store_port=self._store.port, lighthouse_addr=lighthouse,
+            replica_id=f"fed_group{group_id}",
+        )  # fmt: skip
+        self.peers = QuorumPeers(self.manager, pg)
+
+    def communicator(self, split: Communicator | None, hsdp_replicas: int, timeout: str) -> FederationCommunicator:
+        """The engine's collectives over the quorum (FL+HSDP: ``split`` over the group's replicas)."""
+        return FederationCommunicator(
+            peers=self.peers, control=GroupThenQuorum(self.group, self.peers), split=split,
+            hsdp_replicas=hsdp_replicas, timeout=timeout, membership=self,
+        )  # fmt: skip
+
+    def start_at(self, averagings: int) -> None:
+        """Resume the count of committed averagings (a checkpoint's), before `join`: a group behind heals."""
+        self.manager.load_state_dict({"step": averagings, "batches_committed": 0})
+
+    def join(self) -> Round:
+        """Form the first quorum (before training): a group behind the others heals there (``receive``)."""
+        return self.next_round()
+
+    # ---- Membership ----
+
+    def commit(self) -> bool:
+        return self.manager.should_commit()
+
+    def next_round(self) -> Round:
+        """The quorum of the groups alive for the next averaging; a heal if this group is behind."""
+        self._healed = False
+        begin = time.perf_counter()
+        self.manager.start_quorum()
+        self.quorum_seconds = time.perf_counter() - begin
+        if self.manager.errored() is not None:
+            raise RuntimeError(
+                f"hf_fedshard: fed_group{self.group_id} could not join a quorum of the federation (is the lighthouse "
+                f"up, and did the others answer within fed_timeout_s?): {self.manager.errored()}"
+            )
+        quorum_id = self.manager._quorum_id  # torchft's id of the quorum; it changes when a group leaves or joins
+        changed = quorum_id != self._quorum_id
+        self._quorum_id = quorum_id
+        if changed:
+            self._check_members()
+        return Round(healed=self._healed, changed=changed)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "fed_groups_in_quorum": self.peers.size(),
+            "fed_heals": self.heals,
+            "fed_quorum_seconds": round(self.quorum_seconds, 6),
+        }
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # ---- Heals and checks ----
+
+    def _provide(self) -> dict:
+        return {"fingerprint": self.fingerprint, "state": self.provide()}
+
+    def _receive(self, state: dict) -> None:
+        if state["fingerprint"] != self.fingerprint:
+            raise ConfigError(
+                f"hf_fedshard: fed_group{self.group_id} was started with other settings than the federation it "
+                f"joins ({_describe_fingerprint(self.fingerprint)} here, {_describe_fingerprint(state['fingerprint'])}"
+                " there). Start every group with the same model, fed_* settings, group size and batch."
+            )
+        self._healed = True
+        self.receive(state["state"])
+
+    def _check_members(self) -> None:
+        """One all-reduce when the quorum changes: no two groups share an id, all run the same settings, and how
+        many groups healed into it (``fed_heals``)."""
+        vector = torch.zeros(self.num_groups + 3, dtype=torch.float64)
+        vector[self.group_id] = 1.0
+        code = _fingerprint_code(self.fingerprint)
+        vector[-3], vector[-2], vector[-1] = code, code * code, 1.0 if self._healed else 0.0
+        self.peers.all_reduce_sum(vector)
+        counts, total, squares, healed = vector[:-3], vector[-3].item(), vector[-2].item(), vector[-1].item()
+        groups = self.peers.size()
+        if self.manager.errored() is not None:
+            return  # the round that follows fails and forms the next quorum, which checks again
+        if counts[self.group_id] > 1:
+            raise ConfigError(
+                f"hf_fedshard: two launches claim fed_group_id={self.group_id}. Give every group its own "
+                f"--fed_group_id in 0..{self.num_groups - 1}."
+            )
+        if groups * squares != total * total:  # equal iff every group's code is the same (Cauchy-Schwarz)
+            raise ConfigError(
+                "hf_fedshard: the groups of the federation were started with different settings (model, fed_* "
+                "settings, group size or batch). Start every group with the same ones."
+            )
+        self.heals += int(healed)
+
+
+class _Store:
+    """This group's own TCPStore for torchft (hosted by the group's rank 0), fresh for every launch."""
+
+    def __init__(self, store: dist.TCPStore, host: str) -> None:
+        self.store, self.host, self.port = store, host, store.port
+
+
+def _group_store(group: ProcessGroup) -> _Store:
+    """A TCPStore of this launch on its rank 0, its address shared over ``group`` (a restart gets a fresh one)."""
+    import socket
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    address = [None]
+    store = None
+    if rank == 0:
+        store = dist.TCPStore("0.0.0.0", 0, world, is_master=True, wait_for_workers=False)
+        address = [(socket.gethostname(), store.port)]
+    dist.broadcast_object_list(address, src=dist.get_global_rank(group, 0), group=group)
+    host, port = address[0]
+    if store is None:
+        store = dist.TCPStore(host, port, world, is_master=False, wait_for_workers=False)
+    return _Store(store, host)
+
+
+def fingerprint(**settings: object) -> str:
+    """A text naming the settings every group must share, for the checks when groups meet."""
+    return ";".join(f"{k}={v}" for k, v in sorted(settings.items()))
+
+
+def _fingerprint_code(text: str) -> float:
+    """A 20-bit code of ``text``: its square and sums over a few thousand groups stay exact in float64."""
+    return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") % (1 << 20))
+
+
+def _describe_fingerprint(text: str) -> str:
+    return text if len(text) < 300 else text[:300] + "…"
