@@ -92,11 +92,14 @@ def train_tiny(nproc: int, out_dir: Path, args: list[str], timeout_s: float = 24
 
 @contextlib.contextmanager
 def lighthouse(min_groups: int = 1, join_timeout_s: float = 600.0, heartbeat_timeout_s: float = 2.0):
-    """A `python -m hf_fedshard.lighthouse` on a free port for the block; yields its ``--fed_lighthouse`` value."""
+    """A `python -m hf_fedshard.lighthouse` on a free port for the block; yields its ``--fed_lighthouse`` value.
+
+    Its log goes to the file named by ``LIGHTHOUSE_LOG`` (to debug a test), else nowhere."""
     cmd = [sys.executable, "-m", "hf_fedshard.lighthouse", "--port", "0", "--min_groups", str(min_groups),
            "--join_timeout_s", str(join_timeout_s), "--heartbeat_timeout_s", str(heartbeat_timeout_s)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    log = open(os.environ.get("LIGHTHOUSE_LOG", os.devnull), "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
                             start_new_session=True)  # fmt: skip
     try:
         line = proc.stdout.readline()
@@ -105,6 +108,7 @@ def lighthouse(min_groups: int = 1, join_timeout_s: float = 600.0, heartbeat_tim
     finally:
         kill_tree(proc)
         proc.wait(timeout=30)
+        log.close()
 
 
 def train_groups(

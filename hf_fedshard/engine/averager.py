@@ -258,7 +258,9 @@ class FederatedAverager:
         """What a group that joins needs to take part from now on (a heal): `state_dict` plus this rank's model
         shards and buffers (copies), right after an averaging, when every group holds the global model."""
         tensors = [t.detach().clone() for t in model_state_tensors(self.model)]
-        return {"model": tensors, "averager": _cloned(self.state_dict())}
+        state = _cloned(self.state_dict())
+        state["counters"]["pending_norms"] = None  # sums over a quorum without the joining group: not published
+        return {"model": tensors, "averager": state}
 
     def load_peer_state(self, state: dict) -> None:
         """Take a live peer's `peer_state` (same layout and settings): model, anchors, outer state, counters."""

@@ -375,6 +375,11 @@ class FedShardArgumentsMixin:
                     "groups hold one global model only at averaging steps. Set --"
                     f"{name} to a multiple of {sync}."
                 )
+        if self.fed_schedule.streaming:
+            raise ConfigError(
+                "fed_sync_fragments/fed_sync_overlap stream the averaging between rounds, which fed_transport torchft "
+                "does not redo when a group leaves: set --fed_sync_fragments 1 --fed_sync_overlap 0."
+            )
         if self.load_best_model_at_end or self.fed_eval_per_group:
             raise ConfigError(
                 "load_best_model_at_end and fed_eval_per_group compare the groups outside an averaging, which "

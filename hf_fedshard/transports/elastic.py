@@ -147,6 +147,7 @@ class ElasticFederation:
         torchft = _import_torchft()
         self.group_id, self.num_groups, self.group = group_id, num_groups, group
         self.fingerprint, self.provide, self.receive = fingerprint, provide, receive
+        self.timeout_s = timeout_s
         self.heals = 0
         self.quorum_seconds = 0.0
         self._healed = False
@@ -176,8 +177,23 @@ class ElasticFederation:
         self.manager.load_state_dict({"step": averagings, "batches_committed": 0})
 
     def join(self) -> Round:
-        """Form the first quorum (before training): a group behind the others heals there (``receive``)."""
-        return self.next_round()
+        """Form the first quorum (before training): a group behind the others heals there (``receive``).
+
+        A federation that has not averaged yet waits (up to the timeout) for all ``num_groups`` groups, so that
+        they start together; every group of a quorum sees the same count, so they ask again together.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        joined = self.next_round()
+        while self.manager.current_step() == 0 and self.peers.size() < self.num_groups:
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "hf_fedshard: starting with %d of fed_num_groups=%d groups after %gs (fed_timeout_s); the "
+                    "others join when they start.", self.peers.size(), self.num_groups, self.timeout_s,
+                )  # fmt: skip
+                break
+            time.sleep(0.5)
+            joined = self.next_round()
+        return joined
 
     # ---- Membership ----
 

@@ -11,7 +11,7 @@ DTensor placements and mesh shape, the full (group-gathered) parameters and its 
 Faults for the reliability tests fire on the first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), so that a
 job restarted by ``torchrun --max-restarts`` runs clean:
 
-    --kill_at_step 5 --fault_rank 1            SIGKILL rank 1 as step 5 begins
+    --kill_at_step 5 --fault_rank 1            SIGKILL rank 1 as step 5 begins (--fault_group G: group G's only)
     --kill_while_saving_step 4 --fault_rank 1  SIGKILL rank 1 after it wrote its shards of checkpoint-4
     --stop_at_step 5 --fault_rank 3            SIGSTOP rank 3 as step 5 begins (prints "stopping at <time>" first)
     --sleep_group 1 --sleep_at_step 2          group 1 sleeps --sleep_s seconds as step 2 begins
@@ -51,11 +51,15 @@ class ScriptArguments:
         default=None, metadata={"help": "Call save_model(export_dir) at the end of this step instead."}
     )
     fault_rank: int = field(default=1, metadata={"help": "Rank that --kill_* faults kill."})
+    fault_group: int | None = field(
+        default=None, metadata={"help": "Only this federation group's fault_rank (default: every group's)."}
+    )
     kill_at_step: int | None = field(default=None, metadata={"help": "SIGKILL fault_rank as this step begins."})
     stop_at_step: int | None = field(default=None, metadata={"help": "SIGSTOP fault_rank as this step begins."})
     kill_while_saving_step: int | None = field(
         default=None, metadata={"help": "SIGKILL fault_rank after it wrote its shards of this checkpoint."}
     )
+    step_sleep_s: float = field(default=0.0, metadata={"help": "Seconds every rank sleeps before each step."})
     sleep_group: int | None = field(default=None, metadata={"help": "Federation group that sleeps."})
     sleep_at_step: int = field(default=2, metadata={"help": "Step at whose beginning sleep_group sleeps."})
     sleep_s: float = field(default=90.0, metadata={"help": "Seconds sleep_group sleeps."})
@@ -135,7 +139,8 @@ class Faults(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         step = state.global_step + 1
-        if not first_attempt():
+        time.sleep(self.script.step_sleep_s)
+        if not first_attempt() or self.script.fault_group not in (None, self.group):
             return
         if step == self.script.kill_at_step and self.rank == self.script.fault_rank:
             os.kill(os.getpid(), signal.SIGKILL)
