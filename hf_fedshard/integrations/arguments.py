@@ -97,7 +97,9 @@ class FedShardArgumentsMixin:
         fed_group_id (`int`, *optional*): torchft: this launch's group, in `0 … fed_num_groups - 1`.
         fed_num_groups (`int`, *optional*): torchft: the nominal number of groups; group G reads slice G of N
             of every epoch (what its ranks would read with `mesh`).
-        With torchft every group writes into `output_dir/fed_group{G}` (checkpoints, logs, the exported model).
+        With torchft every group writes into `output_dir/fed_group{G}` (checkpoints, logs, the exported model),
+        evaluations must fall on averaging steps, and fragments, overlap, `fed_eval_per_group` and
+        `load_best_model_at_end` are refused (each needs the groups outside an averaging).
 
     Batch arithmetic: one optimizer step of one group sees
     `per_device_train_batch_size × fed_group_size × gradient_accumulation_steps` samples (the *group batch*);
@@ -364,17 +366,12 @@ class FedShardArgumentsMixin:
 
     def _check_elastic_schedule(self) -> None:
         """With torchft the groups meet only in averagings: what would need them in between is refused."""
-        sync = self.fed_sync_steps
-        for name, strategy, steps in (
-            ("eval_steps", self.eval_strategy, self.eval_steps),
-            ("save_steps", self.save_strategy, self.save_steps),
-        ):
-            if strategy == IntervalStrategy.STEPS and steps and (steps < 1 or int(steps) % sync):
-                raise ConfigError(
-                    f"{name}={steps} is not a multiple of fed_sync_steps={sync}: with fed_transport torchft the "
-                    "groups hold one global model only at averaging steps. Set --"
-                    f"{name} to a multiple of {sync}."
-                )
+        sync, steps = self.fed_sync_steps, self.eval_steps
+        if self.eval_strategy == IntervalStrategy.STEPS and steps and (steps < 1 or int(steps) % sync):
+            raise ConfigError(
+                f"eval_steps={steps} is not a multiple of fed_sync_steps={sync}: with fed_transport torchft the "
+                f"groups hold one global model only at averaging steps. Set --eval_steps to a multiple of {sync}."
+            )
         if self.fed_schedule.streaming:
             raise ConfigError(
                 "fed_sync_fragments/fed_sync_overlap stream the averaging between rounds, which fed_transport torchft "

@@ -37,7 +37,7 @@ from hf_fedshard.checkpointing.checkpoint import (
 )
 from hf_fedshard.checkpointing.resume import load_on_every_rank, resumable_checkpoint
 from hf_fedshard.engine import FederationCommunicator, ProcessGroupCommunicator
-from hf_fedshard.engine.payload import load_model_state
+from hf_fedshard.engine.payload import all_finite, load_model_state, model_state_tensors
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.arguments import FedShardArgumentsMixin, FedShardTrainingArguments
 from hf_fedshard.integrations.callback import FedAvgCallback
@@ -328,7 +328,7 @@ class FedShardMixin(Trainer):
         if self.fed_callback is None:
             return super()._save_checkpoint(model, trial)
         step = self.state.global_step
-        diverged = self.fed_callback.averager.find_diverged_groups()
+        diverged = self._diverged_groups()
         if diverged:
             if self.args.should_log:
                 logger.warning(
@@ -354,6 +354,14 @@ class FedShardMixin(Trainer):
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,
             )
+
+    def _diverged_groups(self) -> list[int]:
+        """The groups holding a NaN/Inf now; with torchft, where groups meet only in averagings, this group alone."""
+        if self.fed_federation is None:
+            return self.fed_callback.averager.find_diverged_groups()
+        flag = torch.tensor(0.0 if all_finite(model_state_tensors(self.model)) else 1.0, device=self.args.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return [self.args.fed_group_id] if flag.item() else []
 
     def _track_best_checkpoint(self, run_dir: str, step: int) -> None:
         """Trainer's bookkeeping of the best checkpoint, for a checkpoint that is published at the end."""
