@@ -4,11 +4,15 @@ Start one per job, anywhere every group's rank 0 can reach; it forms the quorum 
 averaging (torchft's `LighthouseServer`; the groups' traffic never goes through it). It prints its address, the
 ``--fed_lighthouse`` value of every group, and serves until interrupted.
 
-- ``--min_groups``: the smallest quorum an averaging runs with; groups wait (up to their ``fed_timeout_s``) for
-  more. Set it to the number of groups to start them together; below it, a federation survives failures.
-- ``--join_timeout_s``: how long a quorum waits for a group that is alive but has not asked yet. A joining group
-  asks between two averagings of the others, so it must exceed one averaging interval (H steps); a dead group
-  is dropped as soon as its heartbeats stop (``--heartbeat_timeout_s``), whatever this is.
+- ``--min_groups``: the smallest quorum an averaging runs with; below it, groups wait (up to their
+  ``fed_timeout_s``) and then fail. Groups that start afresh wait for all ``fed_num_groups`` anyway (up to
+  ``fed_timeout_s``), so keep it low enough to survive the failures you expect (1 survives all but one).
+- ``--heartbeat_timeout_s``: a group whose heartbeats stop this long (a dead launch) is left out of the next
+  quorum at once.
+- ``--join_timeout_s``: how long a quorum waits for a group that is alive (heartbeating) but does not ask (a hung
+  group): keep it below ``fed_timeout_s``, or the others give up first. A group that joins between two
+  averagings never forms a quorum of its own while the others are alive: torchft requires more than half of the
+  live groups in a quorum, so it waits for the others' next averaging.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=29510, help="port to listen on (0: any free port)")
     parser.add_argument("--min_groups", type=int, default=1, help="smallest number of groups an averaging runs with")
     parser.add_argument(
-        "--join_timeout_s", type=float, default=600.0, help="wait for live groups that have not asked yet"
+        "--join_timeout_s", type=float, default=10.0, help="wait for live groups that have not asked yet"
     )
     parser.add_argument(
         "--heartbeat_timeout_s", type=float, default=5.0, help="a group whose heartbeats stop this long is dead"

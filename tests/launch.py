@@ -91,7 +91,7 @@ def train_tiny(nproc: int, out_dir: Path, args: list[str], timeout_s: float = 24
 
 
 @contextlib.contextmanager
-def lighthouse(min_groups: int = 1, join_timeout_s: float = 600.0, heartbeat_timeout_s: float = 2.0):
+def lighthouse(min_groups: int = 1, join_timeout_s: float = 10.0, heartbeat_timeout_s: float = 2.0):
     """A `python -m hf_fedshard.lighthouse` on a free port for the block; yields its ``--fed_lighthouse`` value.
 
     Its log goes to the file named by ``LIGHTHOUSE_LOG`` (to debug a test), else nowhere."""
@@ -132,5 +132,5 @@ def start_group(
     """Start group ``group`` of a torchft federation running tests/scripts/train_tiny.py (dumps in ``dump{G}``)."""
     elastic = ["--fed_transport", "torchft", "--fed_lighthouse", address, "--fed_group_id", group,
                "--fed_num_groups", num_groups]  # fmt: skip
-    script_args = ["--output_dir", out_dir, "--dump_dir", out_dir / f"dump{group}", *SGD, *args, *elastic]
+    script_args = ["--output_dir", out_dir, "--dump_dir", out_dir / f"dump{group}", *SGD, *elastic, *args]
     return start_torchrun(nproc, SCRIPTS / "train_tiny.py", script_args, max_restarts)

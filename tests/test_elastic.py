@@ -9,8 +9,11 @@ and the group, restarted by its launcher, heals and rejoins, reading its own dat
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ import torch
 from hf_fedshard import FederatedAverager, FedShardTrainingArguments
 from hf_fedshard.engine.communicator import FederationCommunicator, Round
 from hf_fedshard.errors import ConfigError
+from hf_fedshard.integrations.card import quorum_rows
 
 from .asserts import labelled
 from .fake_communicator import BARRIER_TIMEOUT_S, run_federation
@@ -173,8 +177,9 @@ TINY = ["--num_samples", "128"]
     ],
 )
 def test_torchft_equals_the_one_job_mesh_to_the_bit(tmp_path, extra):
-    """2 groups × 2 ranks, H = 4, 10 steps (the last averaging at the end): the same shards, logs and evaluation
-    as one job of 4 ranks with fed_group_size 2 (the same data: group G reads slice G of 2)."""
+    """2 groups × 2 ranks, H = 4, 10 steps (the last averaging at the end): the same samples, shards and
+    evaluation as one job of 4 ranks with fed_group_size 2 (group G reads slice G of 2); each launch logs its
+    own group's loss, whose mean over the groups is the one job's."""
     common = [*TINY, "--max_steps", "10", "--fed_sync_steps", "4", *extra]
     with lighthouse(min_groups=2) as address:
         groups = train_groups(2, 2, tmp_path / "ft", common, address)
@@ -188,8 +193,9 @@ def test_torchft_equals_the_one_job_mesh_to_the_bit(tmp_path, extra):
                     value, theirs["local_params"][name], rtol=0, atol=0, msg=labelled(f"group {g} rank {r} {name}")
                 )
             assert ours["eval"]["eval_loss"] == theirs["eval"]["eval_loss"]
-    losses = [[h["loss"] for h in groups[0][0]["log_history"] if "loss" in h] for _ in range(1)]
-    assert losses == [[h["loss"] for h in mesh[0]["log_history"] if "loss" in h]]
+    group_losses = [[h["loss"] for h in groups[g][0]["log_history"] if "loss" in h] for g in range(2)]
+    one_job = [h["loss"] for h in mesh[0]["log_history"] if "loss" in h]  # the world's mean; each launch logs its own
+    assert [(a + b) / 2 for a, b in zip(*group_losses, strict=True)] == pytest.approx(one_job, rel=1e-6)
 
 
 @pytest.mark.slow
@@ -235,3 +241,89 @@ def test_a_killed_group_leaves_and_heals_back_while_the_others_go_on(tmp_path):
         per_step = 2  # per_device_train_batch_size
         tail = one_job[2 + r]["seen"][healed_at * per_step :]
         assert dumps[1][r]["seen"] == tail, labelled(f"group 1 rank {r}: samples read after the heal at {healed_at}")
+
+
+def test_the_card_says_how_many_groups_took_part_and_the_heals():
+    history = [{"fed_groups_in_quorum": n, "fed_heals": h} for n, h in ((3, 0), (2, 0), (3, 1))]
+    rows = dict(quorum_rows(history, 4, history[-1]))
+    assert rows["Groups per averaging (fewest–most logged)"] == "2–3 of 4"
+    assert rows["Groups healed from a live peer"] == "1"
+
+
+# ---- Bad input and faults: one clear line within the timeout, every rank ends ----
+
+FAST = [*TINY, "--max_steps", "8", "--fed_sync_steps", "4", "--fed_timeout_s", "10"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bad_federations_fail_every_rank_in_one_line_within_the_timeout(tmp_path):
+    """Four federations at once (one rank per group, fed_timeout_s 10), each of which must fail on every rank:
+    an unreachable lighthouse (2 ranks), a quorum below --min_groups, two launches with one fed_group_id, and
+    groups started with different settings."""
+    quorum_lost = "got no quorum of the federation within fed_timeout_s=10"
+    cases = {  # name: (min_groups or None for no lighthouse, per-group extra arguments, ranks, expected line)
+        "unreachable": (None, [[]], 2, f"{quorum_lost}: check that the lighthouse (http://localhost:9) is up"),
+        "below_min": (2, [[]], 1, quorum_lost),
+        "same_id": (2, [[], ["--fed_group_id", "0"]], 1, "two launches claim fed_group_id=0. Give every group its own"),
+        "settings": (2, [[], ["--fed_outer_optimizer", "nesterov"]], 1,
+                     "the groups of the federation were started with different settings"),
+    }  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        launches = {}
+        for name, (min_groups, per_group, nproc, _) in cases.items():
+            address = "http://localhost:9" if min_groups is None else stack.enter_context(lighthouse(min_groups))
+            launches[name] = [
+                start_group(g, len(per_group), nproc, tmp_path / name, [*FAST, *extra], address)
+                for g, extra in enumerate(per_group)
+            ]
+        outputs = {
+            name: [finish(launch, 300) for launch in group_launches] for name, group_launches in launches.items()
+        }
+    for name, results in outputs.items():
+        for g, result in enumerate(results):
+            assert result.returncode != 0, f"{name}, group {g} did not fail:\n{result.stdout[-3000:]}"
+            assert cases[name][3] in result.stdout, f"{name}, group {g}:\n{result.stdout[-3000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_lost_lighthouse_ends_every_group_at_its_next_averaging_with_nothing_half_written(tmp_path):
+    """2 groups × 1 rank checkpointing every 4 steps; the lighthouse is killed once checkpoint-4 exists: both
+    groups fail at their next averaging with the line naming it, and no partial checkpoint is left."""
+    args = [*TINY, "--max_steps", "64", "--fed_sync_steps", "4", "--fed_timeout_s", "10", "--step_sleep_s", "0.3",
+            "--save_strategy", "steps", "--save_steps", "4"]  # fmt: skip
+    with lighthouse(min_groups=2) as address:
+        launches = [start_group(g, 2, 1, tmp_path, args, address) for g in range(2)]
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "fed_group1" / "checkpoint-4").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    results = [finish(launch, 240) for launch in launches]
+    for g, result in enumerate(results):
+        assert result.returncode != 0, f"group {g} did not fail:\n{result.stdout[-3000:]}"
+        assert "got no quorum of the federation within fed_timeout_s=10" in result.stdout, result.stdout[-3000:]
+        leftovers = [p.name for p in (tmp_path / f"fed_group{g}").iterdir() if not p.name.startswith("checkpoint-")]
+        assert leftovers == [], leftovers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_restart_of_every_group_resumes_from_the_newest_step_they_all_have(tmp_path):
+    """2 groups × 2 ranks checkpoint every 4 steps to step 8; group 1's checkpoint-8 is lost. Restarted with
+    fed_auto_resume, both resume from checkpoint-4 (the newest both have), no group heals, and step 12 equals one
+    uninterrupted job to the bit."""
+    common = [*TINY, "--fed_sync_steps", "4", "--save_strategy", "steps", "--save_steps", "4"]
+    with lighthouse(min_groups=2) as address:
+        train_groups(2, 2, tmp_path / "ft", [*common, "--max_steps", "8"], address)
+        shutil.rmtree(tmp_path / "ft" / "fed_group1" / "checkpoint-8")
+        again = [*common, "--max_steps", "12", "--fed_auto_resume", "true"]
+        resumed = train_groups(2, 2, tmp_path / "ft", again, address)
+    mesh = train_tiny(4, tmp_path / "mesh", [*common, "--max_steps", "12", "--fed_group_size", "2"])
+    for g in range(2):
+        for r in range(2):
+            assert resumed[g][r]["started_at_step"] == 4
+            assert resumed[g][r]["log_history"][-3]["fed_heals"] == 0
+            for name, value in resumed[g][r]["local_params"].items():
+                torch.testing.assert_close(
+                    value, mesh[2 * g + r]["local_params"][name], rtol=0, atol=0, msg=labelled(f"{g}/{r} {name}")
+                )

@@ -164,6 +164,8 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
         if "fed_sync_seconds_total" in fed:
             share = f" ({fed['fed_sync_seconds_total'] / wall_s:.1%} of training)" if wall_s else ""
             rows.append(("Time in inter-group averaging (s, rank 0)", f"{fed['fed_sync_seconds_total']:.2f}{share}"))
+        if "fed_groups_in_quorum" in fed:
+            rows += quorum_rows(history, layout.num_groups, fed)
         if fed.get("fed_diverged_groups"):
             steps = ", ".join(map(str, divergence_steps(history)))
             rows.append(
@@ -172,6 +174,16 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
     if wall_s is not None:
         rows.append(("Training wall time (s)", f"{wall_s:.1f}"))
     return rows
+
+
+def quorum_rows(history: list[dict], num_groups: int, last: dict) -> list[tuple[str, str]]:
+    """fed_transport torchft: how many groups took part in the averagings, and how many healed from a live peer."""
+    counts = [h["fed_groups_in_quorum"] for h in history if "fed_groups_in_quorum" in h]
+    return [
+        ("Transport", "torchft (one launch per group; each averaging over the groups alive)"),
+        ("Groups per averaging (fewest–most logged)", f"{min(counts)}–{max(counts)} of {num_groups}"),
+        ("Groups healed from a live peer", str(last["fed_heals"])),
+    ]
 
 
 def _is_group_ppl(key: str) -> bool:

@@ -147,7 +147,7 @@ class ElasticFederation:
         torchft = _import_torchft()
         self.group_id, self.num_groups, self.group = group_id, num_groups, group
         self.fingerprint, self.provide, self.receive = fingerprint, provide, receive
-        self.timeout_s = timeout_s
+        self.timeout_s, self.lighthouse = timeout_s, lighthouse
         self.heals = 0
         self.quorum_seconds = 0.0
         self._healed = False
@@ -204,13 +204,15 @@ class ElasticFederation:
         """The quorum of the groups alive for the next averaging; a heal if this group is behind."""
         self._healed = False
         begin = time.perf_counter()
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except ConfigError:
+            raise
+        except Exception as err:  # the lighthouse is unreachable, or no quorum formed within the timeout
+            raise self._no_quorum(err) from err
         self.quorum_seconds = time.perf_counter() - begin
         if self.manager.errored() is not None:
-            raise RuntimeError(
-                f"hf_fedshard: fed_group{self.group_id} could not join a quorum of the federation (is the lighthouse "
-                f"up, and did the others answer within fed_timeout_s?): {self.manager.errored()}"
-            )
+            raise self._no_quorum(self.manager.errored())
         quorum_id = self.manager._quorum_id  # torchft's id of the quorum; it changes when a group leaves or joins
         changed = quorum_id != self._quorum_id
         self._quorum_id = quorum_id
@@ -229,6 +231,13 @@ class ElasticFederation:
         self.manager.shutdown(wait=False)
 
     # ---- Heals and checks ----
+
+    def _no_quorum(self, cause: object) -> RuntimeError:
+        return RuntimeError(
+            f"hf_fedshard: fed_group{self.group_id} got no quorum of the federation within fed_timeout_s="
+            f"{self.timeout_s:g}: check that the lighthouse ({self.lighthouse}) is up and reachable, and that at "
+            f"least its --min_groups groups are running. Cause: {str(cause).splitlines()[0][:300]}"
+        )
 
     def _provide(self) -> dict:
         return {"fingerprint": self.fingerprint, "state": self.provide()}
