@@ -174,12 +174,14 @@ TINY = ["--num_samples", "128"]
     [
         pytest.param([], id="fedavg-fp32"),
         pytest.param(["--fed_outer_optimizer", "nesterov", "--fed_sync_dtype", "int8"], id="nesterov-int8"),
+        pytest.param(["--fed_shard_size", "1", "--fed_sync_dtype", "bfloat16"], id="fl-hsdp-bf16"),
     ],
 )
 def test_torchft_equals_the_one_job_mesh_to_the_bit(tmp_path, extra):
     """2 groups × 2 ranks, H = 4, 10 steps (the last averaging at the end): the same samples, shards and
     evaluation as one job of 4 ranks with fed_group_size 2 (group G reads slice G of 2); each launch logs its
-    own group's loss, whose mean over the groups is the one job's."""
+    own group's loss, whose mean over the groups is the one job's. FL+HSDP (2 replicas × 1 shard per group)
+    splits the exchange over the group's replicas."""
     common = [*TINY, "--max_steps", "10", "--fed_sync_steps", "4", *extra]
     with lighthouse(min_groups=2) as address:
         groups = train_groups(2, 2, tmp_path / "ft", common, address)
@@ -263,7 +265,8 @@ def test_bad_federations_fail_every_rank_in_one_line_within_the_timeout(tmp_path
     groups started with different settings."""
     quorum_lost = "got no quorum of the federation within fed_timeout_s=10"
     cases = {  # name: (min_groups or None for no lighthouse, per-group extra arguments, ranks, expected line)
-        "unreachable": (None, [[]], 2, f"{quorum_lost}: check that the lighthouse (http://localhost:9) is up"),
+        "unreachable": (None, [[]], 2, "could not start torchft on rank 0: check that the lighthouse "
+                        "(http://localhost:9) is up and reachable"),
         "below_min": (2, [[]], 1, quorum_lost),
         "same_id": (2, [[], ["--fed_group_id", "0"]], 1, "two launches claim fed_group_id=0. Give every group its own"),
         "settings": (2, [[], ["--fed_outer_optimizer", "nesterov"]], 1,

@@ -65,6 +65,7 @@ class _Exchanged:
     """What a blocking averaging's collectives returned, before anything is applied."""
 
     diverged: list[int]
+    published: tuple[float, float] | None  # the previous averaging's norms, from this one's control all-reduce
     contribute: bool
     contributors: int
     deltas: list[list[torch.Tensor]]  # per fragment, this rank's Δ as sent
@@ -343,7 +344,7 @@ class FederatedAverager:
         self, indices: Sequence[int], params: list[torch.Tensor], others: list[torch.Tensor]
     ) -> _Exchanged:
         """The collectives of a blocking averaging, changing no state: the agreement, Δ's mean, the plain means."""
-        diverged = self._agree(self._payload())
+        diverged, published = self._agree_values(self._payload())
         contribute, contributors = self._contribution(diverged)
         deltas, means, sent = [], [], 0
         with self._explain():
@@ -356,7 +357,7 @@ class FederatedAverager:
                 sent += nbytes
         plain = others if self.comm.membership is None else [t.clone() for t in others]
         self._plain_mean(plain, contributors, contribute)
-        return _Exchanged(diverged, contribute, contributors, deltas, means, plain, sent)
+        return _Exchanged(diverged, published, contribute, contributors, deltas, means, plain, sent)
 
     def _apply_exchanged(
         self,
@@ -367,6 +368,7 @@ class FederatedAverager:
         seconds: float,
     ) -> None:
         """The outer step of each fragment on its mean Δ, the plain means adopted, the averaging counted."""
+        self._publish(result.published)
         self.counters.inter_group_bytes += result.sent
         with torch.no_grad():
             for index, mean in zip(indices, result.means, strict=True):
@@ -460,14 +462,21 @@ class FederatedAverager:
 
     def _agree(self, tensors: list[torch.Tensor]) -> list[int]:
         """The averaging's control all-reduce: which groups hold a NaN/Inf in ``tensors``; publishes the norms."""
+        diverged, published = self._agree_values(tensors)
+        self._publish(published)
+        return diverged
+
+    def _agree_values(self, tensors: list[torch.Tensor]) -> tuple[list[int], tuple[float, float] | None]:
+        """`_agree`'s collective alone: (the diverged groups, the norms it would publish)."""
         self._wait_in_flight()
         device = tensors[0].device if tensors else _device_of(self.model)
         with self._explain():
-            diverged, published = agree(self.comm, all_finite(tensors), self._norms, device)
+            return agree(self.comm, all_finite(tensors), self._norms, device)
+
+    def _publish(self, published: tuple[float, float] | None) -> None:
         if published is not None:
             self.counters.delta_norm, self.counters.group_drift = published
             self._norms = None
-        return diverged
 
     def _plain_mean(
         self, tensors: list[torch.Tensor], contributors: int | None = None, contribute: bool = True

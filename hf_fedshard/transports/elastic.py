@@ -156,13 +156,20 @@ class ElasticFederation:
         use_cuda = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
         pg = torchft.ProcessGroupNCCL(timeout=timeout) if use_cuda else torchft.ProcessGroupGloo(timeout=timeout)
         self._store = _group_store(group)
-        self.manager = torchft.Manager(
-            pg=pg, load_state_dict=self._receive, state_dict=self._provide, min_replica_size=1,
-            use_async_quorum=False, init_sync=False, timeout=timeout, quorum_timeout=timeout,
-            connect_timeout=timeout, rank=dist.get_rank(group), world_size=dist.get_world_size(group),
-            store_addr=self._store.host, store_port=self._store.port, lighthouse_addr=lighthouse,
-            replica_id=f"fed_group{group_id}",
-        )  # fmt: skip
+        try:
+            self.manager = torchft.Manager(
+                pg=pg, load_state_dict=self._receive, state_dict=self._provide, min_replica_size=1,
+                use_async_quorum=False, init_sync=False, timeout=timeout, quorum_timeout=timeout,
+                connect_timeout=timeout, rank=dist.get_rank(group), world_size=dist.get_world_size(group),
+                store_addr=self._store.host, store_port=self._store.port, lighthouse_addr=lighthouse,
+                replica_id=f"fed_group{group_id}",
+            )  # fmt: skip
+        except Exception as err:  # rank 0 could not reach the lighthouse; the group's other ranks lose its store
+            raise RuntimeError(
+                f"hf_fedshard: fed_group{group_id} could not start torchft on rank {dist.get_rank(group)}: check that "
+                f"the lighthouse ({lighthouse}) is up and reachable from the group's first rank (other ranks: see "
+                f"rank 0's error). Cause: {str(err).splitlines()[0][:300]}"
+            ) from err
         self.peers = QuorumPeers(self.manager, pg)
 
     def communicator(self, split: Communicator | None, hsdp_replicas: int, timeout: str) -> FederationCommunicator:
