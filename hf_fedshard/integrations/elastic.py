@@ -32,7 +32,7 @@ def federation_fingerprint(trainer: FedShardMixin) -> str:
     args, layout = trainer.args, trainer.args.fed_launch_layout
     return fingerprint(
         model=model_fingerprint(trainer.model),
-        averaging=args.fed_averaging_options,
+        averaging=dataclasses.replace(args.fed_averaging_options, timeout_s=None),  # each group its own timeout
         group=(layout.group_size, layout.shard_size),
         group_batch=args.per_device_train_batch_size * layout.group_size * args.gradient_accumulation_steps,
         num_groups=args.fed_num_groups,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -118,8 +119,8 @@ class ElasticFederation:
     """This rank's side of a federation whose groups are separate launches (``fed_transport torchft``).
 
     Construct it on every rank of a group once its launch's process group exists; the first quorum is formed by
-    `join`, before training starts, so that a group joining a running federation can take a live peer's state as
-    its starting point (``join`` returns it).
+    `join`, before training starts, so that a group joining a running federation can take a live peer's state
+    (``receive``) as its starting point.
 
     Args:
         lighthouse: the Lighthouse's address, ``http://HOST:PORT`` (``fed_lighthouse``).
@@ -293,8 +294,6 @@ class _Store:
 
 def _group_store(group: ProcessGroup) -> _Store:
     """A TCPStore of this launch on its rank 0, its address shared over ``group`` (a restart gets a fresh one)."""
-    import socket
-
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     address = [None]
     store = None
