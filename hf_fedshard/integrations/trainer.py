@@ -267,7 +267,7 @@ class FedShardMixin(Trainer):
     # ---- fed_transport torchft: groups that join and leave ----
 
     def _join_federation_of_launches(self) -> ElasticFederation:
-        """This launch's torchft side (its Manager reaches the lighthouse now; the first quorum waits for train)."""
+        """This launch's torchft side; it reaches the lighthouse when `train` joins the first quorum."""
         return ElasticFederation(
             lighthouse=self.args.fed_lighthouse, group_id=self.args.fed_group_id,
             num_groups=self.args.fed_num_groups, group=torch.distributed.group.WORLD,
@@ -278,10 +278,10 @@ class FedShardMixin(Trainer):
     def _join_quorum(self, checkpoint: str | None) -> str | None:
         """Join the federation's quorum before training: a group behind the others resumes from a live peer's state
         (a temporary folder holds its trainer_state.json), one level with them from ``checkpoint`` or afresh."""
-        if checkpoint is not None:
-            syncs = read_counters(checkpoint, self._group_index, self.args.process_index)["syncs"]
-            self.fed_federation.start_at(int(syncs))
-        self.fed_federation.join()
+        syncs = (
+            0 if checkpoint is None else read_counters(checkpoint, self._group_index, self.args.process_index)["syncs"]
+        )
+        self.fed_federation.join(int(syncs))
         if self._peer_state is None:
             return checkpoint
         folder = resume_folder(self._peer_state)

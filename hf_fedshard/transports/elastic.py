@@ -61,8 +61,16 @@ class QuorumPeers:
     nothing that follows in the round acts on garbage; the collectives after it are skipped.
     """
 
-    def __init__(self, manager: Any, pg: ProcessGroup) -> None:
-        self.manager, self.pg = manager, pg
+    def __init__(self, federation: ElasticFederation) -> None:
+        self.federation = federation
+
+    @property
+    def manager(self) -> Any:
+        return self.federation.manager
+
+    @property
+    def pg(self) -> Any:
+        return self.federation.pg
 
     def size(self) -> int:
         return self.manager.num_participants()
@@ -89,6 +97,9 @@ class QuorumPeers:
                 return
             except Exception as err:  # a peer died or timed out: this round is lost, the next quorum redoes it
                 self.manager.report_error(err)
+                # Close this rank's links now: a peer waiting on it (not on the dead one, in a ring) fails at once
+                # instead of after fed_timeout_s. The next quorum builds new ones.
+                self.pg.abort()
         output.zero_()
 
 
@@ -145,33 +156,39 @@ class ElasticFederation:
         provide: Callable[[], dict],
         receive: Callable[[dict], None],
     ) -> None:
-        torchft = _import_torchft()
+        _import_torchft()  # refuse a missing torchft at construction, before training
         self.group_id, self.num_groups, self.group = group_id, num_groups, group
         self.fingerprint, self.provide, self.receive = fingerprint, provide, receive
         self.timeout_s, self.lighthouse = timeout_s, lighthouse
         self.heals = 0
         self.quorum_seconds = 0.0
+        self.manager: Any = None
+        self.pg: Any = None
         self._healed = False
         self._quorum_id: int | None = None
-        timeout = timedelta(seconds=timeout_s)
+        self.peers = QuorumPeers(self)
+
+    def _start(self) -> None:
+        """Start torchft's side (its Manager heartbeats to the lighthouse from now on) right before the first
+        quorum: a group that heartbeats long before it asks would hold the others' quorum up to --join_timeout_s."""
+        torchft, group, timeout = _import_torchft(), self.group, timedelta(seconds=self.timeout_s)
         use_cuda = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
-        pg = torchft.ProcessGroupNCCL(timeout=timeout) if use_cuda else torchft.ProcessGroupGloo(timeout=timeout)
+        self.pg = torchft.ProcessGroupNCCL(timeout=timeout) if use_cuda else torchft.ProcessGroupGloo(timeout=timeout)
         self._store = _group_store(group)
         try:
             self.manager = torchft.Manager(
-                pg=pg, load_state_dict=self._receive, state_dict=self._provide, min_replica_size=1,
+                pg=self.pg, load_state_dict=self._receive, state_dict=self._provide, min_replica_size=1,
                 use_async_quorum=False, init_sync=False, timeout=timeout, quorum_timeout=timeout,
                 connect_timeout=timeout, rank=dist.get_rank(group), world_size=dist.get_world_size(group),
-                store_addr=self._store.host, store_port=self._store.port, lighthouse_addr=lighthouse,
-                replica_id=f"fed_group{group_id}",
+                store_addr=self._store.host, store_port=self._store.port, lighthouse_addr=self.lighthouse,
+                replica_id=f"fed_group{self.group_id}",
             )  # fmt: skip
         except Exception as err:  # rank 0 could not reach the lighthouse; the group's other ranks lose its store
             raise RuntimeError(
-                f"hf_fedshard: fed_group{group_id} could not start torchft on rank {dist.get_rank(group)}: check that "
-                f"the lighthouse ({lighthouse}) is up and reachable from the group's first rank (other ranks: see "
-                f"rank 0's error). Cause: {str(err).splitlines()[0][:300]}"
+                f"hf_fedshard: fed_group{self.group_id} could not start torchft on rank {dist.get_rank(group)}: check "
+                f"that the lighthouse ({self.lighthouse}) is up and reachable from the group's first rank (other "
+                f"ranks: see rank 0's error). Cause: {str(err).splitlines()[0][:300]}"
             ) from err
-        self.peers = QuorumPeers(self.manager, pg)
 
     def communicator(self, split: Communicator | None, hsdp_replicas: int, timeout: str) -> FederationCommunicator:
         """The engine's collectives over the quorum (FL+HSDP: ``split`` over the group's replicas)."""
@@ -180,16 +197,15 @@ class ElasticFederation:
             hsdp_replicas=hsdp_replicas, timeout=timeout, membership=self,
         )  # fmt: skip
 
-    def start_at(self, averagings: int) -> None:
-        """Resume the count of committed averagings (a checkpoint's), before `join`: a group behind heals."""
-        self.manager.load_state_dict({"step": averagings, "batches_committed": 0})
-
-    def join(self) -> Round:
+    def join(self, averagings: int = 0) -> Round:
         """Form the first quorum (before training): a group behind the others heals there (``receive``).
 
-        A federation that has not averaged yet waits (up to the timeout) for all ``num_groups`` groups, so that
-        they start together; every group of a quorum sees the same count, so they ask again together.
+        ``averagings``: the averagings this group has committed (a checkpoint's count; 0 afresh). A federation that
+        has not averaged yet waits (up to the timeout) for all ``num_groups`` groups, so that they start together;
+        every group of a quorum sees the same count, so they ask again together.
         """
+        self._start()
+        self.manager.load_state_dict({"step": averagings, "batches_committed": 0})
         deadline = time.monotonic() + self.timeout_s
         joined = self.next_round()
         while self.manager.current_step() == 0 and self.peers.size() < self.num_groups:
@@ -236,7 +252,8 @@ class ElasticFederation:
         }
 
     def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
 
     # ---- Heals and checks ----
 
