@@ -208,12 +208,14 @@ def test_a_killed_group_leaves_and_heals_back_while_the_others_go_on(tmp_path):
     redone by the two of them (the mean of their own two Δ, exactly), and they go on. Group 1 heals from a live
     group right after an averaging, resumes there and reads the samples its ranks read in one job of 3 groups from
     that step on. All three end on one global model."""
-    common = [*TINY, "--num_samples", "512", "--max_steps", "48", "--fed_sync_steps", "4", "--step_sleep_s", "0.4",
+    common = [*TINY, "--num_samples", "512", "--max_steps", "48", "--fed_sync_steps", "4", "--step_sleep_s", "0.2",
               "--record_syncs", "true", "--fed_timeout_s", "30"]  # fmt: skip
-    kill = ["--kill_at_step", "6", "--fault_rank", "0", "--fault_group", "1"]
+    marker = tmp_path / "group1-restarted"
+    kill = ["--kill_at_step", "6", "--fault_rank", "0", "--fault_group", "1", "--restart_marker", marker]
+    hold = ["--hold_at_step", "10", "--hold_until", marker]  # the others keep steps for it, however slow the restart
     with lighthouse(min_groups=1) as address:
         launches = [
-            start_group(g, 3, 2, tmp_path, [*common, *(kill if g == 1 else [])], address, max_restarts=int(g == 1))
+            start_group(g, 3, 2, tmp_path, [*common, *(kill if g == 1 else hold)], address, max_restarts=int(g == 1))
             for g in range(3)
         ]
         results = [finish(launch, 600) for launch in launches]
@@ -224,7 +226,7 @@ def test_a_killed_group_leaves_and_heals_back_while_the_others_go_on(tmp_path):
     ]
     healed_at = dumps[1][0]["started_at_step"]
     assert [dumps[g][0]["started_at_step"] for g in (0, 2)] == [0, 0]  # the survivors never restarted
-    assert healed_at > 6 and healed_at % 4 == 0
+    assert healed_at > 8 and healed_at % 4 == 0
     quorum = {h["step"]: h["fed_groups_in_quorum"] for h in dumps[0][0]["log_history"] if "fed_groups_in_quorum" in h}
     assert quorum[4] == 3 and quorum[9] == 2 and quorum[48] == 3, quorum
     assert dumps[0][0]["log_history"][-3]["fed_heals"] == 1
@@ -238,7 +240,7 @@ def test_a_killed_group_leaves_and_heals_back_while_the_others_go_on(tmp_path):
                 torch.testing.assert_close(
                     value, dumps[0][r]["local_params"][name], rtol=0, atol=0, msg=labelled(f"group {g} {name}")
                 )
-    one_job = train_tiny(6, tmp_path / "mesh", [*common[:-4], "--fed_group_size", "2", "--step_sleep_s", "0"])
+    one_job = train_tiny(6, tmp_path / "mesh", [*common[:-4], "--fed_group_size", "2", "--step_sleep_s", "0"])  # noqa
     for r in range(2):
         per_step = 2  # per_device_train_batch_size
         tail = one_job[2 + r]["seen"][healed_at * per_step :]

@@ -16,6 +16,8 @@ job restarted by ``torchrun --max-restarts`` runs clean:
     --stop_at_step 5 --fault_rank 3            SIGSTOP rank 3 as step 5 begins (prints "stopping at <time>" first)
     --sleep_group 1 --sleep_at_step 2          group 1 sleeps --sleep_s seconds as step 2 begins
     --nan_at 3:1 5:0,1                         a NaN in group 1's first shard after step 3, in both after 5
+    --hold_at_step 10 --hold_until F           wait as step 10 begins until file F exists (--restart_marker F:
+                                               a restarted launch creates F as it starts)
 """
 
 from __future__ import annotations
@@ -60,6 +62,13 @@ class ScriptArguments:
         default=None, metadata={"help": "SIGKILL fault_rank after it wrote its shards of this checkpoint."}
     )
     step_sleep_s: float = field(default=0.0, metadata={"help": "Seconds every rank sleeps before each step."})
+    restart_marker: str | None = field(
+        default=None, metadata={"help": "A file this script creates when torchrun restarted it (attempt > 0)."}
+    )
+    hold_at_step: int | None = field(
+        default=None, metadata={"help": "Wait as this step begins until the file --hold_until exists."}
+    )
+    hold_until: str | None = field(default=None, metadata={"help": "The file --hold_at_step waits for."})
     sleep_group: int | None = field(default=None, metadata={"help": "Federation group that sleeps."})
     sleep_at_step: int = field(default=2, metadata={"help": "Step at whose beginning sleep_group sleeps."})
     sleep_s: float = field(default=90.0, metadata={"help": "Seconds sleep_group sleeps."})
@@ -140,6 +149,10 @@ class Faults(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         step = state.global_step + 1
         time.sleep(self.script.step_sleep_s)
+        if step == self.script.hold_at_step:  # e.g. until a restarted group is up, however slow the machine
+            deadline = time.monotonic() + 300
+            while not os.path.exists(self.script.hold_until) and time.monotonic() < deadline:
+                time.sleep(0.2)
         if not first_attempt() or self.script.fault_group not in (None, self.group):
             return
         if step == self.script.kill_at_step and self.rank == self.script.fault_rank:
@@ -267,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = HfArgumentParser((ScriptArguments, FedShardTrainingArguments))
     script, args = parser.parse_args_into_dataclasses(argv)
     destroy_gloo_groups_at_exit()  # the plain-Trainer reference runs need it too
+    if script.restart_marker and not first_attempt():
+        open(script.restart_marker, "a").close()
     model = tiny_llama()
     if script.freeze_all:
         model.requires_grad_(False)
