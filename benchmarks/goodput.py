@@ -1,7 +1,7 @@
 """Goodput under failures: a group killed every T seconds, torchft's federation of launches against a job restart.
 
     sudo python benchmarks/goodput.py --quick      # 4 groups × 1 rank, T = 15 and 30 s, 60 s runs, under 10 minutes
-    sudo python benchmarks/goodput.py              # 4 groups × 2 ranks, T = 40 and 80 s, 160 s runs, 2 repetitions
+    sudo python benchmarks/goodput.py              # 4 groups × 2 ranks, T = 35 and 70 s, 140 s runs, 2 repetitions
 
 On the emulated cluster (benchmarks/harness/netns.py: a network namespace per group, 100 Mbit/s links between
 them), 4 federation groups train the ``micro`` Llama on Shakespeare (benchmarks/harness/bench_train.py, H = 8,
@@ -60,9 +60,9 @@ class GoodputConfig:
 
     groups: int = 4
     ranks_per_group: int = 2
-    intervals_s: tuple[float, ...] = (40.0, 80.0)  # T: a group killed every T seconds of training
+    intervals_s: tuple[float, ...] = (35.0, 70.0)  # T: a group killed every T seconds of training
     restart_s: float = 10.0  # R: a killed group's launch is started again R seconds later
-    run_s: float = 160.0  # training wall time of every run (from the first step)
+    run_s: float = 140.0  # training wall time of every run (from the first step)
     repeats: int = 2
     sync_steps: int = 8  # H
     save_steps: int = 16  # K: mesh's checkpoints
@@ -414,8 +414,8 @@ def other_jobs() -> str:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="4 groups × 1 rank, T = 15 and 30 s, 60 s runs, R = 5 s, once.")
-    p.add_argument("--intervals-s", type=float, nargs="+", help="Failure intervals T (default 40 80; quick 15 30).")
-    p.add_argument("--run-s", type=float, help="Training seconds per run (default 160; quick 60).")
+    p.add_argument("--intervals-s", type=float, nargs="+", help="Failure intervals T (default 35 70; quick 15 30).")
+    p.add_argument("--run-s", type=float, help="Training seconds per run (default 140; quick 60).")
     p.add_argument("--restart-s", type=float, help="Seconds a killed group stays down (default 10; quick 5).")
     p.add_argument("--repeats", type=int, help="Repetitions (default 2; quick 1).")
     p.add_argument("--ranks-per-group", type=int, help="Ranks per group (default 2; quick 1).")

@@ -359,7 +359,7 @@ def test_survivors_stall_leaves_out_groups_still_down_and_back_counts_from_the_r
 
 
 def test_goodput_study_refuses_intervals_outside_the_run():
-    with pytest.raises(ValueError, match=re.escape("every interval must lie between R=10.0 s and the run, 160.0 s")):
+    with pytest.raises(ValueError, match=re.escape("every interval must lie between R=10.0 s and the run, 140.0 s")):
         goodput.GoodputConfig(intervals_s=(200.0,)).validate()
     with pytest.raises(ValueError, match="must be a multiple of H=8"):
         goodput.GoodputConfig(save_steps=12).validate()

@@ -87,7 +87,9 @@ def start_lighthouse(hosts: Hosts, node: int, log: Path, join_timeout_s: float =
     it and its ``--fed_lighthouse`` value, once it listens."""
     argv = [sys.executable, "-m", "hf_fedshard.lighthouse", "--port", "0", "--min_groups", "1",
             "--join_timeout_s", str(join_timeout_s), "--heartbeat_timeout_s", str(heartbeat_timeout_s)]  # fmt: skip
-    proc = hosts.start(node, argv, log)
+    # Its quorum log (stderr) goes to a file of its own: unbuffered, it could land inside the address line.
+    stderr_to = ["sh", "-c", 'exec "$@" 2>>"$0"', str(log.with_suffix(".stderr.log"))]
+    proc = hosts.start(node, [*stderr_to, *argv], log)
     deadline = time.monotonic() + 60
     while "--fed_lighthouse" not in (text := log.read_text()):
         if proc.poll() is not None or time.monotonic() > deadline:
