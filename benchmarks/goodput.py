@@ -9,8 +9,9 @@ them), 4 federation groups train the ``micro`` Llama on Shakespeare (benchmarks/
 SIGKILLed, as a lost node, and started again R seconds later with the same command; the victims are groups 1, 2, 3
 in turn (group 0's node hosts the lighthouse and the job's rendezvous, which this study keeps alive). Two paths:
 
-- ``torchft``: ``--fed_transport torchft``, one torchrun per group, a lighthouse (``--min_groups 1``) on node 0; the
-  survivors go on averaging among themselves, the restarted group heals from a live one and rejoins;
+- ``torchft``: ``--fed_transport torchft``, one torchrun per group, a lighthouse (``--min_groups 1``,
+  ``--join_timeout_s 10``, ``--heartbeat_timeout_s 2``) on node 0; the survivors go on averaging among themselves,
+  the restarted group heals from a live one and rejoins;
 - ``mesh``: today's path, one job of 4 nodes (``torchrun --nnodes 4 --rdzv-backend c10d --max-restarts 100``) with
   ``--fed_auto_resume`` and a checkpoint every K = 16 steps: a killed group stops every group, torchrun restarts
   the whole job once the node is back, and it resumes from the newest checkpoint.
@@ -48,7 +49,7 @@ from pathlib import Path
 from benchmarks.harness import faults, progress, report, results_folder
 from benchmarks.harness.exclusive import exclusive_cores
 from benchmarks.harness.faults import ClusterNodes, Fault, Hosts, Localhost, kill_tree
-from benchmarks.harness.methods import DATA_CACHE, BenchConfig, machine_load, prepare_data
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data
 from benchmarks.harness.netns import Cluster, handle_termination
 
 PATHS = ("torchft", "mesh")
@@ -67,6 +68,10 @@ class GoodputConfig:
     sync_steps: int = 8  # H
     save_steps: int = 16  # K: mesh's checkpoints
     fed_timeout_s: float = 30.0
+    # The lighthouse holds a quorum this long for a group that heartbeats but has not asked: a restarting group
+    # heartbeats from its Trainer's construction on, so a long one (the default 600 s) stalls the survivors for the
+    # rest of its start-up. About two averaging intervals here.
+    join_timeout_s: float = 10.0
     rate_mbit: float = 100.0
     model_size: str = "micro"
     batch_size: int = 4
@@ -126,7 +131,7 @@ def run_path(cfg: GoodputConfig, hosts: Hosts, path: str, interval_s: float | No
     run_dir.mkdir(parents=True)
     run, lighthouse = Run(path, interval_s), None
     if path == "torchft":
-        lighthouse, rendezvous = faults.start_lighthouse(hosts, 0, run_dir / "lighthouse.log", join_timeout_s=60)
+        lighthouse, rendezvous = faults.start_lighthouse(hosts, 0, run_dir / "lighthouse.log", cfg.join_timeout_s)
     else:
         rendezvous = f"{hosts.address(0)}:{port}"
     commands = launch_commands(cfg, path, data, run_dir, rendezvous)
@@ -353,7 +358,8 @@ def markdown(results: dict) -> str:
         f"{cfg['groups']} groups × {cfg['ranks_per_group']} ranks on {where}, Llama `{cfg['model_size']}`, H = "
         f"{cfg['sync_steps']}, fed_timeout_s {cfg['fed_timeout_s']:g} s; each run trains {cfg['run_s']:g} s "
         f"(from its first step); a group (1, 2, 3 in turn) is SIGKILLed every T s and restarted R = "
-        f"{cfg['restart_s']:g} s later. torchft: a launch per group, a lighthouse; mesh: one job, torchrun "
+        f"{cfg['restart_s']:g} s later. torchft: a launch per group, a lighthouse (join timeout "
+        f"{cfg['join_timeout_s']:g} s); mesh: one job, torchrun "
         f"--max-restarts + fed_auto_resume, a checkpoint every K = {cfg['save_steps']} steps. Goodput: group-steps "
         "committed to the global model ÷ those of the same path without failures in the same time (all groups share "
         "2 cores: a killed group frees CPU for the others, so throughput would flatter the survivors). Median "
@@ -405,10 +411,12 @@ def plot(results: dict, out: Path) -> Path:
 
 def other_jobs() -> str:
     """Processes of others that were busy as the study ended (the machine is shared), in one sentence."""
-    busy = [p for p in machine_load()["top_processes"] if p["pcpu"] >= 5.0]
+    ps = subprocess.run(["ps", "-eo", "pcpu,args", "--sort=-pcpu"], capture_output=True, text=True).stdout
+    busy = [line.split(None, 1) for line in ps.splitlines()[1:8]]
+    busy = [(float(cpu), args[:90]) for cpu, args in busy if float(cpu) >= 5.0]
     if not busy:
         return "No other process was using 5% of a core or more as the study ended."
-    return "Other busy processes as the study ended: " + ", ".join(f"{p['comm']} ({p['pcpu']:.0f}%)" for p in busy)
+    return "Other busy processes as the study ended (% of a core): " + "; ".join(f"`{a}` ({c:.0f}%)" for c, a in busy)
 
 
 def make_parser() -> argparse.ArgumentParser:
