@@ -1,7 +1,8 @@
 """The scaling, quality, overlap and time-to-quality studies' arithmetic (no cluster, no training): run shapes,
 spreads, the √-lr rule, the three-tier report's predictions and targets, the overlap targets on medians over
-repetitions, and the time-to-quality curves (interpolation, time to reach, the budget stop without evaluation time);
-then, as root with iproute2, the time-to-quality study end to end on a tiny emulated cluster."""
+repetitions, the time-to-quality curves (interpolation, time to reach, the budget stop without evaluation time), and
+the goodput study's fault schedule and committed group-steps; then, as root with iproute2, the time-to-quality and
+goodput studies end to end on a tiny emulated cluster, and the elastic demo on localhost."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import sys
 import pytest
 from transformers import TrainerControl, TrainerState
 
-from benchmarks import overlap, quality, scaling
+from benchmarks import goodput, overlap, quality, scaling
 from benchmarks import time_to_quality as ttq
-from benchmarks.harness import RESULTS, bench_train, results_folder
+from benchmarks.harness import RESULTS, bench_train, faults, progress, results_folder
 from benchmarks.harness.netns import list_namespaces
 from benchmarks.harness.report import predicted, targets
 
@@ -302,3 +303,109 @@ def test_time_to_quality_study_runs_on_a_tiny_cluster(tmp_path):
     assert fsdp["time_to_FSDP"]["reached"] and fsdp["time_to_FSDP"]["reached"][0] <= 6
     assert "| FL+FSDP |" in (out / "results.md").read_text()
     assert (out / "perplexity_vs_time.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- goodput.py and elastic_demo.py: fault injection, committed group-steps, stalls ----
+
+
+def test_fault_schedule_kills_in_turn_and_restarts_within_the_run():
+    assert faults.fault_schedule(100, 30, 5, victims=(1, 2, 3)) == [
+        faults.Fault(1, 30, 35), faults.Fault(2, 60, 65), faults.Fault(3, 90, 95)]  # fmt: skip
+    assert faults.fault_schedule(64, 30, 5, victims=(1, 2)) == [faults.Fault(1, 30, 35)]  # 60 + 5 > 64: not injected
+
+
+def ev(event: str, t: float, step: int, **extra) -> dict:
+    return {"event": event, "t": t, "step": step, **extra}
+
+
+def test_torchft_commits_a_groups_steps_at_its_next_averaging():
+    """H = 4. Group 0 averages at 4, 8, 12; group 1 dies after 4 (its steps 5..7 are lost), heals at 8 and averages
+    at 12: 12 + 4 + 4 group-steps by t = 12; by t = 9, 8 + 4."""
+    logs = {"group0": [ev("begin", 0, 0), ev("sync", 4, 4), ev("sync", 8, 8), ev("sync", 12, 12)],
+            "group1": [ev("begin", 0, 0), ev("sync", 4, 4), ev("begin", 10, 8), ev("sync", 12, 12)]}  # fmt: skip
+    assert goodput.committed_torchft(logs, end=12) == 20
+    assert goodput.committed_torchft(logs, end=9) == 12
+
+
+def test_mesh_rolls_back_to_the_newest_checkpoint_at_a_kill():
+    """K = 8, H = 4, 4 groups: averaged to step 12, killed at t = 13 (checkpoint 8 complete): 4 × 8 until the
+    restarted job averages again at step 12 (t = 30), 4 × 12 from there."""
+    events = [ev("begin", 0, 0), ev("sync", 4, 4), ev("sync", 8, 8), ev("save", 8.5, 8), ev("sync", 12, 12),
+              ev("begin", 25, 8), ev("sync", 30, 12)]  # fmt: skip
+    assert goodput.committed_mesh(events, kills=[13], end=12.5, groups=4) == 48
+    assert goodput.committed_mesh(events, kills=[13], end=29, groups=4) == 32
+    assert goodput.committed_mesh(events, kills=[13], end=31, groups=4) == 48
+    assert goodput.committed_mesh(events[:3] + events[4:], kills=[13], end=20, groups=4) == 0  # no save: from scratch
+
+
+def test_longest_gap_reaches_into_the_window_and_stays_open_at_its_end():
+    assert goodput.longest_gap([0, 4, 8, 20, 24], start=10, stop=30) == 12  # 8 → 20 spans the kill at 10
+    assert goodput.longest_gap([0, 4, 8], start=10, stop=30) == 22  # nothing after the kill: open to the stop
+    assert goodput.longest_gap([12], start=10, stop=30) is None  # nothing before the kill
+
+
+def test_survivors_stall_leaves_out_groups_still_down_and_back_counts_from_the_restart():
+    """Group 1 killed at 10 s, restarted at 15, back at its first averaging at 40; group 2 killed at 20: group 1 is
+    no survivor of that fault (down until 40), group 0 and 3 are."""
+    run = goodput.Run("torchft", 10.0, t0=0.0, faults=[{"group": 1, "kill_s": 10, "restart_s": 15},
+                                                         {"group": 2, "kill_s": 20, "restart_s": 25}])  # fmt: skip
+    syncs = {0: [4, 8, 12, 16, 30, 34, 38, 42], 1: [4, 8, 40, 44], 2: [4, 8, 12, 16, 44], 3: [4, 8, 12, 16, 32, 36]}
+    run.events = {f"group{g}": [ev("sync", t, 0) for t in times] for g, times in syncs.items()}
+    figures = goodput.fault_figures(run, goodput.GoodputConfig(run_s=50.0, intervals_s=(10.0,)))
+    assert [f["back_s"] for f in figures] == [25, 19]  # 40 - 15; group 2's first averaging after 25 is at 44
+    assert figures[1]["stall_s"] == 16  # group 3: 16 → 32 (group 0's 14, group 1 left out)
+    assert figures[0]["stall_s"] == 4  # up to the next kill, at 20: 16 → 20 at most
+    assert figures[1]["survivors_interval_s"] == 4  # group 0 and 3 between the kill at 20 and group 2's return at 44
+
+
+def test_goodput_study_refuses_intervals_outside_the_run():
+    with pytest.raises(ValueError, match=re.escape("every interval must lie between R=10.0 s and the run, 140.0 s")):
+        goodput.GoodputConfig(intervals_s=(200.0,)).validate()
+    with pytest.raises(ValueError, match="must be a multiple of H=8"):
+        goodput.GoodputConfig(save_steps=12).validate()
+
+
+def test_progress_log_drops_a_line_cut_short(tmp_path):
+    log = tmp_path / "group0.jsonl"
+    progress.append(log, ev("begin", 1.0, 0))
+    with open(log, "a") as f:
+        f.write('{"event": "sync", "t": 2.')  # SIGKILL mid-line
+    assert progress.read(log) == [ev("begin", 1.0, 0)] and progress.read(tmp_path / "none.jsonl") == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="network namespaces need root")
+def test_goodput_study_runs_both_paths_with_a_fault(tmp_path):
+    """The quick mode's machinery on a short run (not its timing): both paths, one fault each, the figures, table and
+    plot written, every namespace removed."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "benchmarks/goodput.py", "--quick", "--run-s", "30", "--intervals-s", "15", "--out",
+           str(out), "--work", str(tmp_path / "work")]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out_text, _ = proc.communicate(timeout=840)
+    assert proc.returncode == 0, out_text[-6000:]
+    assert not [name for name in list_namespaces() if name.startswith(f"fsb{proc.pid}")]
+    results = json.loads((out / "results.json").read_text())
+    runs = {(r["path"], r["interval_s"]): r for r in results["reps"][0]["runs"]}
+    assert set(runs) == {("torchft", None), ("mesh", None), ("torchft", 15.0), ("mesh", 15.0)}
+    for path in ("torchft", "mesh"):
+        assert runs[(path, None)]["goodput"] == 1.0 and runs[(path, None)]["group_steps"] > 0
+        assert [f["group"] for f in runs[(path, 15.0)]["faults"]] == [1]
+        assert runs[(path, 15.0)]["goodput"] is not None
+    assert results["hosts"] == "netns" and "| torchft | 15 s | 1 |" in (out / "results.md").read_text()
+    assert (out / "goodput.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_elastic_demo_tells_its_story(tmp_path):
+    """`make elastic-demo`'s script: group 1 is killed, restarted, heals and rejoins; the groups end bit-identical."""
+    cmd = [sys.executable, "benchmarks/elastic_demo.py", "--work", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=460)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "group 1 KILLED (SIGKILL to torchrun and its workers" in proc.stdout
+    assert re.search(r"group 1 healed from a live group: resumes training at step \d+", proc.stdout)
+    assert "averaging at step 128: groups [0 1 2]" in proc.stdout and "OK: group 1 rejoined" in proc.stdout

@@ -18,7 +18,8 @@ the bytes. Each rank also records its resident memory before the model is built 
 difference is what the model, its gradients, optimizer state and training added. Each rank writes
 ``rank<R>.json`` into ``--record_dir``. With ``--budget_s``, `BudgetStop` ends training at the first evaluation
 whose training clock has reached the budget, at the same step on every rank, and ``--eval_offset_steps`` moves
-the evaluations past an overlapped exchange's apply (benchmarks/time_to_quality.py).
+the evaluations past an overlapped exchange's apply (benchmarks/time_to_quality.py). With ``--progress_log``,
+`ProgressLog` appends each event as it happens (benchmarks/goodput.py kills launches mid-run).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from transformers import (
 )
 
 from benchmarks.harness.netns import RACK_NETNS_ENV, TRUNK, UPLINK
+from benchmarks.harness.progress import ProgressLog
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
 from hf_fedshard.tools.models import PRESETS, build_model
 
@@ -67,6 +69,11 @@ class BenchArguments:
         default=0.0,
         metadata={"help": "> 0: stop at the first evaluation whose training clock (evaluations excluded) has reached "
                   "this many seconds on any rank; max_steps stays a cap."},
+    )  # fmt: skip
+    progress_log: str = field(
+        default="",
+        metadata={"help": "Append this launch's begin, averaging, checkpoint and end events to this file as they "
+                  "happen (harness/progress.py), for the studies that kill launches mid-run."},
     )  # fmt: skip
 
 
@@ -266,6 +273,9 @@ def main(argv: list[str] | None = None) -> None:
     if bench.budget_s > 0:
         trainer.add_callback(BudgetStop(recorder, bench.budget_s))  # before the recorder: inside the eval's pause
     trainer.add_callback(recorder)
+    if bench.progress_log:  # last: its averaging events follow the averaging
+        fed_metrics = trainer.fed_callback.metrics if trainer.fed_callback is not None else dict
+        trainer.add_callback(ProgressLog(bench.progress_log, args.fed_sync_steps, fed_metrics))
     trainer.train()
     fed = trainer.fed_callback.metrics() if trainer.fed_callback is not None and not bench.no_averaging else {}
     record = {

@@ -21,6 +21,11 @@ namespace) counts all it sends to other nodes; a rack's trunk counts all that ra
 Token-bucket size: ``tc-tbf(8)`` says the burst must be at least rate / HZ, or the qdisc cannot reach its
 rate; we use 10 ms of traffic (right for any HZ >= 100). ``netem`` (delay, loss) is not available here.
 
+With ``hostnames``, every node also gets a host name of its own (its namespace's name, set in a UTS namespace per
+launch) that every node resolves to its uplink's address (``/etc/netns/<ns>/hosts``, which ``ip netns exec`` puts
+over ``/etc/hosts``): software that advertises ``socket.gethostname()`` to its peers (torchft's managers) is
+reachable across nodes, where the machine's own name would resolve to each node's loopback.
+
 Every namespace is removed on exit of the ``with`` block, also on an exception, Ctrl-C or SIGTERM (see
 :func:`handle_termination`): processes launched in the cluster are killed first, since a namespace with
 processes inside outlives its name. Namespaces of an earlier run whose process died are removed on start.
@@ -31,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +81,7 @@ def remove_stale_namespaces() -> list[str]:
         match = _NAME.match(name)
         if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
             _ip("netns", "del", name, check=False)
+            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
             removed.append(name)
     return removed
 
@@ -112,12 +119,14 @@ class Cluster:
         rate_mbit: link rate between a node and its rack's switch, in Mbit/s, in each direction.
         racks: 1 is a two-tier cluster (one switch); more adds a core switch and a third tier.
         rack_rate_mbit: link rate between a rack's switch and the core, Mbit/s each way (``racks > 1`` only).
+        hostnames: give each node a host name of its own that every node resolves (see the module's docstring).
     """
 
     nodes: int
     rate_mbit: float = 100.0
     racks: int = 1
     rack_rate_mbit: float | None = None
+    hostnames: bool = False
     prefix: str = field(default_factory=lambda: f"fsb{os.getpid()}")
     created: list[str] = field(default_factory=list, init=False)
     _procs: list[subprocess.Popen] = field(default_factory=list, init=False)
@@ -207,6 +216,16 @@ class Cluster:
             self._add_namespace(ns)
             self._link(ns, UPLINK, self.switch(self.rack_of(node)), f"port{node}", self.rate_mbit)
             _ip("-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", UPLINK)
+        if self.hostnames:
+            self._name_hosts()
+
+    def _name_hosts(self) -> None:
+        """Every node's ``/etc/hosts`` (as ``ip netns exec`` shows it) names every node by its namespace."""
+        names = "".join(f"{self.address(node)} {self.namespace(node)}\n" for node in range(self.nodes))
+        for node in range(self.nodes):
+            folder = Path("/etc/netns") / self.namespace(node)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text("127.0.0.1 localhost\n" + names)
 
     def counters(self, node: int) -> dict[str, int]:
         """Bytes and packets sent and received so far by ``node``'s uplink (its inter-node traffic)."""
@@ -260,9 +279,10 @@ class Cluster:
         """
         rack = self.rack_of(node)
         reads_rack = {RACK_NETNS_ENV: self.switch(rack)} if self.racks > 1 and node % self.nodes_per_rack == 0 else {}
+        named = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.namespace(node)]
         with open(log, "w") as out:
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", self.namespace(node), *argv],
+                ["ip", "netns", "exec", self.namespace(node), *(named if self.hostnames else []), *argv],
                 env={**os.environ, "GLOO_SOCKET_IFNAME": UPLINK, **env, **reads_rack},
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -312,6 +332,7 @@ class Cluster:
             self._kill()
             for name in reversed(self.created):
                 _ip("netns", "del", name, check=False)
+                shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
             self.created = [name for name in self.created if name in list_namespaces()]
         finally:
             for sig, handler in blocked.items():

@@ -1,0 +1,144 @@
+"""Launches of federation groups that a study kills and restarts: on localhost, or in the emulated cluster's nodes.
+
+- `Hosts` starts a command where a group runs: localhost (`Localhost`) or a node of a `netns.Cluster`
+  (`ClusterNodes`, one node per group, each with a host name of its own for torchft's managers);
+- `torchrun` is the command of one launch (one group under ``fed_transport torchft``, one node of the job under
+  ``mesh``), `start_lighthouse` the torchft Lighthouse's;
+- `kill_tree` is the fault: SIGKILL to the launch's torchrun and every process below it, as a lost node;
+- `fault_schedule` says when: one group killed every ``interval_s`` seconds, restarted ``restart_s`` later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from benchmarks.harness import TRAIN_SCRIPT
+from benchmarks.harness.netns import Cluster
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": str(REPO),
+    "PYTHONUNBUFFERED": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+}  # fmt: skip  (restarts must not read the dead workers' store)
+
+
+class Hosts(Protocol):
+    """Where the launches of a study run."""
+
+    def start(self, node: int, argv: Sequence[str], log: Path) -> subprocess.Popen: ...
+
+    def address(self, node: int) -> str: ...
+
+
+class Localhost:
+    """Every launch on this machine's loopback (no shaped links)."""
+
+    def start(self, node: int, argv: Sequence[str], log: Path) -> subprocess.Popen:
+        with open(log, "a") as out:
+            return subprocess.Popen(list(argv), cwd=REPO, env={**os.environ, **ENV}, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def address(self, node: int) -> str:
+        return "127.0.0.1"
+
+
+@dataclass
+class ClusterNodes:
+    """Launch ``node`` in the emulated cluster's node ``node`` (its namespace; built with ``hostnames=True``)."""
+
+    cluster: Cluster
+
+    def start(self, node: int, argv: Sequence[str], log: Path) -> subprocess.Popen:
+        return self.cluster.launch(node, argv, ENV, log)
+
+    def address(self, node: int) -> str:
+        return self.cluster.address(node)
+
+
+def torchrun(nproc: int, args: Sequence[str], rendezvous: str | None = None, node_rank: int = 0, nodes: int = 1,
+             max_restarts: int = 0) -> list[str]:  # fmt: skip
+    """One launch of bench_train.py: ``--standalone`` (a torchft group), or node ``node_rank`` of ``nodes`` of one job
+    whose c10d rendezvous is at ``rendezvous`` (HOST:PORT; ``mesh``, restarted as a whole by ``max_restarts``)."""
+    where = ["--standalone"]
+    if rendezvous is not None:
+        where = [f"--nnodes={nodes}", f"--node_rank={node_rank}", "--rdzv-backend=c10d"]
+        where.append(f"--rdzv-endpoint={rendezvous}")
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc}",
+            f"--max-restarts={max_restarts}", str(TRAIN_SCRIPT), *args]  # fmt: skip
+
+
+def start_lighthouse(hosts: Hosts, node: int, log: Path, join_timeout_s: float = 60.0,
+                     heartbeat_timeout_s: float = 2.0) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """A Lighthouse on ``node``, on a free port (min_groups 1: the federation goes on with the groups alive); returns
+    it and its ``--fed_lighthouse`` value, once it listens."""
+    argv = [sys.executable, "-m", "hf_fedshard.lighthouse", "--port", "0", "--min_groups", "1",
+            "--join_timeout_s", str(join_timeout_s), "--heartbeat_timeout_s", str(heartbeat_timeout_s)]  # fmt: skip
+    # Its quorum log (stderr) goes to a file of its own: unbuffered, it could land inside the address line.
+    stderr_to = ["sh", "-c", 'exec "$@" 2>>"$0"', str(log.with_suffix(".stderr.log"))]
+    proc = hosts.start(node, [*stderr_to, *argv], log)
+    deadline = time.monotonic() + 60
+    while "--fed_lighthouse" not in (text := log.read_text()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_tree(proc)
+            raise RuntimeError(f"the lighthouse did not start; its log ({log}):\n{text[-2000:]}")
+        time.sleep(0.2)
+    port = text.split("--fed_lighthouse", 1)[1].split()[0].rsplit(":", 1)[1]
+    return proc, f"http://{hosts.address(node)}:{port}"
+
+
+def kill_tree(proc: subprocess.Popen) -> int:
+    """SIGKILL a launch and every process below it (torchrun puts each worker in a session of its own); how many."""
+    pids = [proc.pid, *_descendants(proc.pid)]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    return len(pids)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Group ``group`` is killed at ``kill_s`` and restarted at ``restart_s`` (seconds after the run's start)."""
+
+    group: int
+    kill_s: float
+    restart_s: float
+
+
+def fault_schedule(run_s: float, interval_s: float, restart_s: float, victims: Sequence[int]) -> list[Fault]:
+    """A kill every ``interval_s`` seconds (the first one interval in), each restarted ``restart_s`` later, the
+    victims taken in turn; none whose restart would fall after ``run_s``."""
+    faults, kill_s = [], interval_s
+    while kill_s + restart_s < run_s:
+        faults.append(Fault(victims[len(faults) % len(victims)], kill_s, kill_s + restart_s))
+        kill_s += interval_s
+    return faults
