@@ -89,7 +89,7 @@ def run_demo(cfg: DemoConfig, work: Path, data_cache: Path = DATA_CACHE) -> Demo
     """Start the lighthouse and the groups, kill and restart the victim, wait for every group to finish."""
     data = prepare_data(BenchConfig(eval_samples=32), data_cache)
     hosts = Localhost()
-    lighthouse, address = start_lighthouse(hosts, 0, work / "lighthouse.log", join_timeout_s=60)
+    lighthouse, address = start_lighthouse(hosts, 0, work / "lighthouse.log", join_timeout_s=10)
     run = DemoRun(cfg, time.time(), logs={g: work / f"group{g}.jsonl" for g in range(cfg.groups)})
     argv = {g: torchrun(cfg.ranks_per_group, group_args(cfg, data, work, address, g)) for g in range(cfg.groups)}
     try:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import threading
 
 
@@ -36,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.min_groups < 1:
         parser.error(f"--min_groups={args.min_groups}: it must be at least 1.")
-    from hf_fedshard.transports.elastic import _import_torchft
+    from hf_fedshard.transports.elastic import _import_torchft, advertised_hostname
 
     _import_torchft()
     from torchft._torchft import LighthouseServer
@@ -48,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         heartbeat_timeout_ms=int(args.heartbeat_timeout_s * 1000),
     )
     port = server.address().rsplit(":", 1)[-1]
-    print(f"hf_fedshard lighthouse: --fed_lighthouse http://{socket.gethostname()}:{port}", flush=True)
+    print(f"hf_fedshard lighthouse: --fed_lighthouse http://{advertised_hostname()}:{port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -240,7 +240,7 @@ def test_a_killed_group_leaves_and_heals_back_while_the_others_go_on(tmp_path):
                 torch.testing.assert_close(
                     value, dumps[0][r]["local_params"][name], rtol=0, atol=0, msg=labelled(f"group {g} {name}")
                 )
-    one_job = train_tiny(6, tmp_path / "mesh", [*common[:-4], "--fed_group_size", "2", "--step_sleep_s", "0"])  # noqa
+    one_job = train_tiny(6, tmp_path / "mesh", [*common[:-4], "--fed_group_size", "2", "--step_sleep_s", "0"])
     for r in range(2):
         per_step = 2  # per_device_train_batch_size
         tail = one_job[2 + r]["seen"][healed_at * per_step :]

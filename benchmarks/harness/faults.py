@@ -81,7 +81,7 @@ def torchrun(nproc: int, args: Sequence[str], rendezvous: str | None = None, nod
             f"--max-restarts={max_restarts}", str(TRAIN_SCRIPT), *args]  # fmt: skip
 
 
-def start_lighthouse(hosts: Hosts, node: int, log: Path, join_timeout_s: float = 60.0,
+def start_lighthouse(hosts: Hosts, node: int, log: Path, join_timeout_s: float = 10.0,
                      heartbeat_timeout_s: float = 2.0) -> tuple[subprocess.Popen, str]:  # fmt: skip
     """A Lighthouse on ``node``, on a free port (min_groups 1: the federation goes on with the groups alive); returns
     it and its ``--fed_lighthouse`` value, once it listens."""

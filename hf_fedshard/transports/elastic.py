@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -161,6 +162,7 @@ class ElasticFederation:
         self.fingerprint, self.provide, self.receive = fingerprint, provide, receive
         self.timeout_s, self.lighthouse = timeout_s, lighthouse
         self.heals = 0
+        self.groups_averaged = 0  # groups in the last committed averaging
         self.quorum_seconds = 0.0
         self.manager: Any = None
         self.pg: Any = None
@@ -181,7 +183,7 @@ class ElasticFederation:
                 use_async_quorum=False, init_sync=False, timeout=timeout, quorum_timeout=timeout,
                 connect_timeout=timeout, rank=dist.get_rank(group), world_size=dist.get_world_size(group),
                 store_addr=self._store.host, store_port=self._store.port, lighthouse_addr=self.lighthouse,
-                replica_id=f"fed_group{self.group_id}",
+                replica_id=f"fed_group{self.group_id}", hostname=advertised_hostname(),
             )  # fmt: skip
         except Exception as err:  # rank 0 could not reach the lighthouse; the group's other ranks lose its store
             raise RuntimeError(
@@ -222,7 +224,10 @@ class ElasticFederation:
     # ---- Membership ----
 
     def commit(self) -> bool:
-        return self.manager.should_commit()
+        committed = self.manager.should_commit()
+        if committed:
+            self.groups_averaged = self.peers.size()  # the quorum of this averaging, before the next one forms
+        return committed
 
     def next_round(self) -> Round:
         """The quorum of the groups alive for the next averaging; a heal if this group is behind."""
@@ -246,7 +251,7 @@ class ElasticFederation:
 
     def metrics(self) -> dict[str, float]:
         return {
-            "fed_groups_in_quorum": self.peers.size(),
+            "fed_groups_in_quorum": self.groups_averaged,
             "fed_heals": self.heals,
             "fed_quorum_seconds": round(self.quorum_seconds, 6),
         }
@@ -316,12 +321,18 @@ def _group_store(group: ProcessGroup) -> _Store:
     store = None
     if rank == 0:
         store = dist.TCPStore("0.0.0.0", 0, world, is_master=True, wait_for_workers=False)
-        address = [(socket.gethostname(), store.port)]
+        address = [(advertised_hostname(), store.port)]
     dist.broadcast_object_list(address, src=dist.get_global_rank(group, 0), group=group)
     host, port = address[0]
     if store is None:
         store = dist.TCPStore(host, port, world, is_master=False, wait_for_workers=False)
     return _Store(store, host)
+
+
+def advertised_hostname() -> str:
+    """The name other hosts reach this one by: ``$HF_FEDSHARD_HOSTNAME``, else the host name (set it where the host
+    name resolves to a loopback address, as in many ``/etc/hosts``)."""
+    return os.environ.get("HF_FEDSHARD_HOSTNAME") or socket.gethostname()
 
 
 def fingerprint(**settings: object) -> str:
