@@ -68,9 +68,7 @@ class GoodputConfig:
     sync_steps: int = 8  # H
     save_steps: int = 16  # K: mesh's checkpoints
     fed_timeout_s: float = 30.0
-    # The lighthouse holds a quorum this long for a group that heartbeats but has not asked: a restarting group
-    # heartbeats from its Trainer's construction on, so a long one (the default 600 s) stalls the survivors for the
-    # rest of its start-up. About two averaging intervals here.
+    # The lighthouse holds a quorum this long for a group that heartbeats but has not asked (hf_fedshard's default).
     join_timeout_s: float = 10.0
     rate_mbit: float = 100.0
     model_size: str = "micro"
