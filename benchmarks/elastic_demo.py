@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import progress
-from benchmarks.harness.faults import Localhost, kill_tree, start_lighthouse, torchrun
-from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness import progress  # noqa: E402
+from benchmarks.harness.faults import Localhost, kill_tree, start_lighthouse, torchrun  # noqa: E402
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data  # noqa: E402
 
 
 @dataclass

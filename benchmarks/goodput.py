@@ -46,11 +46,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import faults, progress, report, results_folder
-from benchmarks.harness.exclusive import exclusive_cores
-from benchmarks.harness.faults import ClusterNodes, Fault, Hosts, Localhost, kill_tree
-from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data
-from benchmarks.harness.netns import Cluster, handle_termination
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness import faults, progress, report, results_folder  # noqa: E402
+from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.faults import ClusterNodes, Fault, Hosts, Localhost, kill_tree  # noqa: E402
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data  # noqa: E402
+from benchmarks.harness.netns import Cluster, handle_termination  # noqa: E402
 
 PATHS = ("torchft", "mesh")
 
