@@ -1,13 +1,14 @@
 """Goodput under failures: a group killed every T seconds, torchft's federation of launches against a job restart.
 
     sudo python benchmarks/goodput.py --quick      # 4 groups × 1 rank, T = 15 and 30 s, 60 s runs, under 10 minutes
-    sudo python benchmarks/goodput.py              # 4 groups × 2 ranks, T = 35 and 70 s, 140 s runs, 2 repetitions
+    sudo python benchmarks/goodput.py              # 4 groups × 2 ranks, T = 30, 60 and 120 s, 240 s runs, under 45
 
 On the emulated cluster (benchmarks/harness/netns.py: a network namespace per group, 100 Mbit/s links between
 them), 4 federation groups train the ``micro`` Llama on Shakespeare (benchmarks/harness/bench_train.py, H = 8,
 ``fed_timeout_s`` 30 s). Every T seconds of training one group's whole launch (torchrun and its workers) is
-SIGKILLed, as a lost node, and started again R seconds later with the same command; the victims are groups 1, 2, 3
-in turn (group 0's node hosts the lighthouse and the job's rendezvous, which this study keeps alive). Two paths:
+SIGKILLed, as a lost node (in the middle of each T: at T/2, 3T/2, …, so a run of n·T seconds holds n faults), and
+started again R seconds later with the same command; the victims are groups 1, 2, 3 in turn (group 0's node hosts
+the lighthouse and the job's rendezvous, which this study keeps alive). Two paths:
 
 - ``torchft``: ``--fed_transport torchft``, one torchrun per group, a lighthouse (``--min_groups 1``,
   ``--join_timeout_s 10``, ``--heartbeat_timeout_s 2``) on node 0; the survivors go on averaging among themselves,
@@ -65,10 +66,10 @@ class GoodputConfig:
 
     groups: int = 4
     ranks_per_group: int = 2
-    intervals_s: tuple[float, ...] = (35.0, 70.0)  # T: a group killed every T seconds of training
+    intervals_s: tuple[float, ...] = (30.0, 60.0, 120.0)  # T: a group killed every T seconds of training
     restart_s: float = 10.0  # R: a killed group's launch is started again R seconds later
-    run_s: float = 140.0  # training wall time of every run (from the first step)
-    repeats: int = 2
+    run_s: float = 240.0  # training wall time of every run (from the first step): 8, 4 and 2 faults
+    repeats: int = 1  # each fault is a sample of the stall and the return; the 8 runs take ~40 minutes
     sync_steps: int = 8  # H
     save_steps: int = 16  # K: mesh's checkpoints
     fed_timeout_s: float = 30.0
@@ -424,10 +425,10 @@ def other_jobs() -> str:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="4 groups × 1 rank, T = 15 and 30 s, 60 s runs, R = 5 s, once.")
-    p.add_argument("--intervals-s", type=float, nargs="+", help="Failure intervals T (default 35 70; quick 15 30).")
-    p.add_argument("--run-s", type=float, help="Training seconds per run (default 140; quick 60).")
+    p.add_argument("--intervals-s", type=float, nargs="+", help="Failure intervals T (default 30 60 120; quick 15 30).")
+    p.add_argument("--run-s", type=float, help="Training seconds per run (default 240; quick 60).")
     p.add_argument("--restart-s", type=float, help="Seconds a killed group stays down (default 10; quick 5).")
-    p.add_argument("--repeats", type=int, help="Repetitions (default 2; quick 1).")
+    p.add_argument("--repeats", type=int, help="Repetitions (default 1; quick 1).")
     p.add_argument("--ranks-per-group", type=int, help="Ranks per group (default 2; quick 1).")
     p.add_argument("--localhost", action="store_true", help="Run on localhost even where namespaces are available.")
     p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/goodput_<quick|full>).")

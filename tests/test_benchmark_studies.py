@@ -310,9 +310,9 @@ def test_time_to_quality_study_runs_on_a_tiny_cluster(tmp_path):
 
 
 def test_fault_schedule_kills_in_turn_and_restarts_within_the_run():
-    assert faults.fault_schedule(100, 30, 5, victims=(1, 2, 3)) == [
-        faults.Fault(1, 30, 35), faults.Fault(2, 60, 65), faults.Fault(3, 90, 95)]  # fmt: skip
-    assert faults.fault_schedule(64, 30, 5, victims=(1, 2)) == [faults.Fault(1, 30, 35)]  # 60 + 5 > 64: not injected
+    kills = [(1, 15), (2, 45), (3, 75), (1, 105)]  # in the middle of each 30 s: 4 faults in 120 s
+    assert faults.fault_schedule(120, 30, 5, victims=(1, 2, 3)) == [faults.Fault(g, t, t + 5) for g, t in kills]
+    assert faults.fault_schedule(48, 30, 5, victims=(1, 2)) == [faults.Fault(1, 15, 20)]  # 45 + 5 > 48: not injected
 
 
 def ev(event: str, t: float, step: int, **extra) -> dict:
@@ -360,8 +360,8 @@ def test_survivors_stall_leaves_out_groups_still_down_and_back_counts_from_the_r
 
 
 def test_goodput_study_refuses_intervals_outside_the_run():
-    with pytest.raises(ValueError, match=re.escape("every interval must lie between R=10.0 s and the run, 140.0 s")):
-        goodput.GoodputConfig(intervals_s=(200.0,)).validate()
+    with pytest.raises(ValueError, match=re.escape("every interval must lie between R=10.0 s and the run, 240.0 s")):
+        goodput.GoodputConfig(intervals_s=(300.0,)).validate()
     with pytest.raises(ValueError, match="must be a multiple of H=8"):
         goodput.GoodputConfig(save_steps=12).validate()
 

@@ -135,9 +135,10 @@ class Fault:
 
 
 def fault_schedule(run_s: float, interval_s: float, restart_s: float, victims: Sequence[int]) -> list[Fault]:
-    """A kill every ``interval_s`` seconds (the first one interval in), each restarted ``restart_s`` later, the
-    victims taken in turn; none whose restart would fall after ``run_s``."""
-    faults, kill_s = [], interval_s
+    """A kill in the middle of every ``interval_s`` seconds (at T/2, 3T/2, …: a run of n·T seconds holds exactly n
+    faults, so its failure rate is 1/T), each restarted ``restart_s`` later, the victims taken in turn; none whose
+    restart would fall after ``run_s``."""
+    faults, kill_s = [], interval_s / 2
     while kill_s + restart_s < run_s:
         faults.append(Fault(victims[len(faults) % len(victims)], kill_s, kill_s + restart_s))
         kill_s += interval_s
