@@ -36,37 +36,43 @@ def llama(hidden_size: int = 32) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def saved_checkpoint(tmp_path, layout: FederationLayout, model) -> str:
-    """A checkpoint folder holding only the record `check_resumable` reads."""
-    write_layout_record(str(tmp_path), layout, model)
+def saved_checkpoint(tmp_path, layout: FederationLayout, model, reshardable: bool = False) -> str:
+    """A checkpoint folder holding only the files `check_resumable` reads: the record, and for a checkpoint of this
+    release (``reshardable``) its data arithmetic and the outer state's DCP metadata; else an earlier release's."""
+    data = {"samples_per_step": 8, "steps_per_epoch": 8} if reshardable else {}
+    write_layout_record(str(tmp_path), layout, model, data)
+    if reshardable:
+        (tmp_path / "fed_outer").mkdir()
+        (tmp_path / "fed_outer" / ".metadata").write_bytes(b"")
     return str(tmp_path)
 
 
 FL_FSDP_4 = FederationLayout(4, 2)  # 2 groups × 2 shards
+EARLIER = r", and its outer state \(fed_outer/position\*\.pt, an earlier release's format\) fits only that layout\. "
 
 
 @pytest.mark.parametrize(
     ("case", "saved_layout", "saved_hidden", "run_layout", "run_hidden", "message"),
     [
         (
-            "another group size",
-            FL_FSDP_4, 32, FederationLayout(4, 4), 32,
+            "another group size, an earlier release's checkpoint",
+            FL_FSDP_4, 32, FederationLayout(4, 1), 32,
             r"was written with fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=4, but this run has "
-            r"fed_group_size=4, fed_shard_size=4 on WORLD_SIZE=4\. Relaunch on 4 ranks with --fed_group_size 2 "
-            r"--fed_shard_size 2, or use another output_dir",
+            r"fed_group_size=1, fed_shard_size=1 on WORLD_SIZE=4" + EARLIER
+            + r"Relaunch on 4 ranks with --fed_group_size 2 --fed_shard_size 2, or use another output_dir",
         ),
         (
             "another shard size (FL+HSDP)",
             FederationLayout(8, 4, 2), 32, FederationLayout(8, 4, 4), 32,
             r"was written with fed_group_size=4, fed_shard_size=2 on WORLD_SIZE=8, but this run has "
-            r"fed_group_size=4, fed_shard_size=4 on WORLD_SIZE=8\. Relaunch on 8 ranks with --fed_group_size 4 "
-            r"--fed_shard_size 2",
+            r"fed_group_size=4, fed_shard_size=4 on WORLD_SIZE=8" + EARLIER
+            + r"Relaunch on 8 ranks with --fed_group_size 4 --fed_shard_size 2",
         ),
         (
             "another world size",
             FL_FSDP_4, 32, FederationLayout(8, 2), 32,
             r"was written with fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=4, but this run has "
-            r"fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=8\. Relaunch on 4 ranks",
+            r"fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=8" + EARLIER + r"Relaunch on 4 ranks",
         ),
         (
             "another model",
@@ -87,6 +93,20 @@ def test_resuming_elsewhere_fails_with_one_line(
 
 def test_same_layout_and_model_resume(tmp_path):
     check_resumable(saved_checkpoint(tmp_path, FL_FSDP_4, llama()), FL_FSDP_4, llama())
+
+
+@pytest.mark.parametrize("run_layout", [FederationLayout(2, 1), FederationLayout(8, 4, 2), FederationLayout(6, 2)])
+def test_a_checkpoint_of_this_release_resumes_on_another_layout(tmp_path, run_layout):
+    check_resumable(saved_checkpoint(tmp_path, FL_FSDP_4, llama(), reshardable=True), run_layout, llama())
+
+
+def test_another_layout_still_needs_the_same_model_and_a_federation(tmp_path):
+    checkpoint = saved_checkpoint(tmp_path, FL_FSDP_4, llama(), reshardable=True)
+    with pytest.raises(ConfigError, match=r"holds a different model: llama with"):
+        check_resumable(checkpoint, FederationLayout(2, 1), llama(64))
+    one_group = r"on WORLD_SIZE=2, and one group \(no federation\) does not resume a federated checkpoint\. Relaunch"
+    with pytest.raises(ConfigError, match=one_group):
+        check_resumable(checkpoint, FederationLayout(2, 2), llama())
 
 
 def test_a_plain_trainer_checkpoint_is_refused(tmp_path):
@@ -178,7 +198,8 @@ def test_one_group_refuses_a_federated_checkpoint(tmp_path, monkeypatch):
     trainer = FedShardTrainer(model=llama(), args=args, train_dataset=[{"input_ids": [1, 2], "labels": [1, 2]}] * 4)
     message = (
         r"was written with fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=4, but this run has fed_group_size=1, "
-        r"fed_shard_size=1 on WORLD_SIZE=1\. Relaunch on 4 ranks"
+        r"fed_shard_size=1 on WORLD_SIZE=1, and one group \(no federation\) does not resume a federated checkpoint\. "
+        r"Relaunch on 4 ranks"
     )
     with pytest.raises(ConfigError, match=message):
         trainer.train(resume_from_checkpoint=saved)

@@ -75,11 +75,11 @@ def test_each_group_saves_its_own_shards(reference, tmp_path):
     assert all(torch.equal(on_sync[0][k], on_sync[1][k]) for k in on_sync[0])  # and agree right after one
     counters = json.loads((out / "checkpoint-4" / "fed_group1" / "fedavg_rank3.json").read_text())
     assert (counters["syncs"], counters["synced_at"]) == (2, [4])  # step 0's averaging, then step 4's
-    names = list(runs[0]["local_params"])  # the order of model.parameters(), which the anchor follows
-    for position in (0, 1):  # right after an averaging, each position's anchor is its shard of the model
-        anchor = torch.load(out / "checkpoint-4" / "fed_outer" / f"position{position}.pt")["fragments"][0]["anchor"]
-        for name, shard in zip(names, anchor, strict=True):
-            assert torch.equal(shard, on_sync[0][name].chunk(2)[position]), name
+    assert (layout["samples_per_step"], layout["steps_per_epoch"]) == (8, 8)  # 4 ranks × 2; 64 samples
+    outer = read_dcp(out / "checkpoint-4" / "fed_outer", tmp_path)  # by parameter name, any layout reads it
+    assert sorted(outer["anchor"]) == sorted(runs[0]["local_params"]) and not outer["momentum"]  # FedAvg: none
+    for name, value in outer["anchor"].items():  # right after an averaging, the anchor is the model
+        assert torch.equal(value, on_sync[0][name]), name
 
 
 def test_save_model_exports_the_global_model_in_hf_format(reference):
@@ -269,20 +269,17 @@ def test_averaging_settings_changed_at_each_resume_take_effect_there(tmp_path):
     ) in outputs[1]
     assert "other averaging settings" not in outputs[0]
 
-    def outer_state(step: int) -> dict:
-        return torch.load(tmp_path / f"checkpoint-{step}" / "fed_outer" / "position0.pt")["fragments"][0]
-
     names = [n for n in dumps[0]["full_params"]]  # every parameter trains: the anchor's order
     for (step, _), dump, (lr, momentum, kept) in zip(
         stages[1:], dumps[1:], [(0.7, 0.9, False), (0.5, 0.8, True), (1.0, 0.0, False)], strict=True
     ):
-        saved = outer_state(step - 2)  # the checkpoint this run resumed from
+        saved = read_dcp(tmp_path / f"checkpoint-{step - 2}" / "fed_outer", tmp_path)  # what this run resumed from
         means = dump["sync_exchanges"][step][1]
         after = dump["sync_params"][step][1]
         for i, name in enumerate(names):
-            buffer = saved["optimizer"]["state"][i]["momentum_buffer"] if kept else torch.zeros_like(means[i])
+            buffer = saved["momentum"][name] if kept else torch.zeros_like(means[i])
             buffer = momentum * buffer + means[i]
-            expected = saved["anchor"][i] - lr * (means[i] + momentum * buffer if momentum else means[i])
+            expected = saved["anchor"][name] - lr * (means[i] + momentum * buffer if momentum else means[i])
             torch.testing.assert_close(after[name], expected, atol=1e-6, rtol=0, msg=labelled(name))
     bf16_means = dumps[1]["sync_exchanges"][4][1]
     assert all(torch.equal(m, m.bfloat16().float()) for m in bf16_means)  # sent in bfloat16 after the resume
@@ -297,23 +294,18 @@ def test_averaging_settings_changed_at_each_resume_take_effect_there(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("group_size", ["1", "4"])
-def test_checkpoint_of_another_layout_fails_on_every_rank_without_hang(reference, tmp_path, group_size):
-    """train() refuses it on each rank before any collective (the in-process table holds the other cases).
-
-    4 groups of 1 resume it explicitly; one group of 4 picks it with fed_auto_resume (Transformers' "Can't find a
-    valid checkpoint" before one group checked the layout).
-    """
+def test_federated_checkpoint_fails_one_group_on_every_rank_without_hang(reference, tmp_path):
+    """One group of 4 picks it with fed_auto_resume and refuses it on each rank before any collective (Transformers
+    said "Can't find a valid checkpoint" before one group checked the layout); the in-process table holds the
+    other cases, and tests/test_reshard.py the other layouts that resume it."""
     shutil.copytree(reference[0] / "checkpoint-2", tmp_path / "checkpoint-2")
-    resume = (
-        ["--resume_from_checkpoint", tmp_path / "checkpoint-2"] if group_size == "1" else ["--fed_auto_resume", "true"]
-    )
-    args = [*FL_FSDP_RUN, "--fed_group_size", group_size, *resume]
+    args = [*FL_FSDP_RUN, "--fed_group_size", "4", "--fed_auto_resume", "true"]
     result = torchrun(4, SCRIPT, ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, *args], 120)
     assert result.returncode != 0
     message = (
-        "was written with fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=4, but this run has "
-        f"fed_group_size={group_size}, fed_shard_size={group_size} on WORLD_SIZE=4. Relaunch on 4 ranks"
+        "was written with fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=4, but this run has fed_group_size=4, "
+        "fed_shard_size=4 on WORLD_SIZE=4, and one group (no federation) does not resume a federated checkpoint. "
+        "Relaunch on 4 ranks"
     )
     assert result.stdout.count(message) == 4, result.stdout[-3000:]  # one line from every rank
 
@@ -364,26 +356,26 @@ def test_damaged_checkpoints_are_skipped_together_and_set_aside(reference, tmp_p
 
 
 def test_damaged_outer_state_is_verified_like_every_other_file(reference, tmp_path):
-    """fed_outer/ is written by group 0 and read by every group: checkpoint-6's position-1 file truncated (sizes),
-    checkpoint-4's position-0 file with one flipped byte (checksums). Both are named, set aside, and the run resumes
-    from checkpoint-2 on its first attempt, ending at the uninterrupted run's parameters.
+    """fed_outer/ is written by group 0 and read by every group: checkpoint-6's second DCP file truncated (sizes,
+    seen by every rank), checkpoint-4's first with one flipped byte (checksums, by the rank hashing it). Both are
+    named, set aside, and the run resumes from checkpoint-2 on its first attempt, ending at the uninterrupted run's
+    parameters.
     """
     out, ref = reference
     for step in (2, 4, 6):
         shutil.copytree(out / f"checkpoint-{step}", tmp_path / f"checkpoint-{step}")
-    damage(tmp_path / "checkpoint-6" / "fed_outer" / "position1.pt", "truncate")
-    damage(tmp_path / "checkpoint-4" / "fed_outer" / "position0.pt", "flip")
+    damage(tmp_path / "checkpoint-6" / "fed_outer" / "__1_0.distcp", "truncate")
+    damage(tmp_path / "checkpoint-4" / "fed_outer" / "__0_0.distcp", "flip")
     args = ["--output_dir", tmp_path, "--dump_dir", tmp_path / "dump", *SGD, *FL_FSDP_RUN, "--fed_auto_resume", "true"]
     result = torchrun(4, SCRIPT, args, 400, max_restarts=1)
     out_text = result.stdout
     assert result.returncode == 0, out_text[-6000:]
     assert "will restart worker group" not in out_text
     skipped_6 = re.search(r"skipping \S+checkpoint-6 \((.*)\); renamed to \S+damaged-checkpoint-6", out_text).group(1)
-    for rank in (1, 3):  # the ranks at position 1 of each group read that file
-        assert re.search(rf"rank {rank}: fed_outer/position1.pt has [\d,]+ bytes, the manifest says", skipped_6)
-    assert "rank 0" not in skipped_6 and "rank 2" not in skipped_6
+    for rank in range(4):  # every rank reads the outer state, whichever layout it has
+        assert re.search(rf"rank {rank}: fed_outer/__1_0.distcp has [\d,]+ bytes, the manifest says", skipped_6)
     skipped_4 = re.search(r"skipping \S+checkpoint-4 \((.*)\); renamed to \S+damaged-checkpoint-4", out_text).group(1)
-    assert re.fullmatch(r"rank \d: fed_outer/position0.pt does not match its checksum \(.*\)", skipped_4)
+    assert re.fullmatch(r"rank \d: fed_outer/__0_0.distcp does not match its checksum \(.*\)", skipped_4)
     runs = [torch.load(tmp_path / "dump" / f"rank{r}.pt", weights_only=False) for r in range(4)]
     assert [run["started_at_step"] for run in runs] == [2] * 4
     assert_same_run(runs, ref)
@@ -394,18 +386,18 @@ def test_file_written_damaged_fails_every_rank_naming_it(reference, tmp_path):
     that read it name it, and every rank stops at once with that message, none waiting for ddp_timeout."""
     checkpoint = tmp_path / "checkpoint-4"
     shutil.copytree(reference[0] / "checkpoint-4", checkpoint)
-    damage(checkpoint / "fed_outer" / "position1.pt", "truncate")
+    damage(checkpoint / "fed_outer" / "__1_0.distcp", "truncate")
     files = read_manifest(str(checkpoint))
-    files.update(describe_files(str(checkpoint), ["fed_outer/position1.pt"]))
+    files.update(describe_files(str(checkpoint), ["fed_outer/__1_0.distcp"]))
     (checkpoint / "manifest.json").write_text(json.dumps({"files": files}))
     args = [*FL_FSDP_RUN, "--resume_from_checkpoint", checkpoint, "--ddp_timeout", "600"]
     started = time.time()
     result = torchrun(4, SCRIPT, ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, *args], 300)
     assert result.returncode != 0
     assert time.time() - started < 200  # no rank waited for the 600 s ddp_timeout
-    message = re.compile(
-        rf"resuming from {checkpoint} failed \(rank 1: cannot read \S+/fed_outer/position1.pt \(.+\); "
-        r"rank 3: cannot read \S+/fed_outer/position1.pt \(.+\)\) although its files match manifest.json"
+    message = re.compile(  # DCP fails every rank of a group where one rank could not read its chunk
+        rf"resuming from {checkpoint} failed \(rank 0: cannot read \S+/fed_outer \(.+; rank 1: cannot read "
+        r"\S+/fed_outer \(.+; rank 2: .+; rank 3: .+\) although its files match manifest.json"
     )
     assert len(message.findall(result.stdout)) == 4, result.stdout[-4000:]  # said by every rank
 

@@ -11,8 +11,8 @@ where they would). A federated ``checkpoint-N/`` holds::
     fed_group{g}/fedavg_rank{r}.json  averaging counters of rank r (syncs, bytes sent, last averaged step, ...)
     fed_group{g}/in_flight_rank{r}.pt rank r's overlapped exchange in flight at the save (its snapshot and mean
                                       Δ, to apply at its scheduled step after a resume); absent when none was
-    fed_outer/position{p}.pt          anchor and outer momentum of the shards at position p of a group
-                                      (equal in every group: group 0 writes them, every group reads them)
+    fed_outer/                        DCP checkpoint of the anchor and outer momentum by parameter name (equal
+                                      in every group: group 0 writes it, every group reads it, on any layout)
     config.json, scheduler.pt, rng_state_{r}.pth, trainer_state.json   Trainer's own files
     manifest.json                     every other file's size and SHA-256, written last (`checkpointing.manifest`)
 
@@ -181,8 +181,9 @@ def model_fingerprint(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def layout_record(layout: FederationLayout, model: nn.Module) -> dict[str, Any]:
-    """The content of ``fed_layout.json``."""
+def layout_record(layout: FederationLayout, model: nn.Module, data: dict[str, int]) -> dict[str, Any]:
+    """The content of ``fed_layout.json``: the layout, the model, and the data arithmetic of a step (``data``:
+    ``samples_per_step`` and ``steps_per_epoch``, for a resume on another layout)."""
     return {
         "method": layout.method,
         "world_size": layout.world_size,
@@ -190,12 +191,22 @@ def layout_record(layout: FederationLayout, model: nn.Module) -> dict[str, Any]:
         "fed_shard_size": layout.shard_size,
         "num_groups": layout.num_groups,
         "model": model_fingerprint(model),
+        **data,
     }
 
 
-def write_layout_record(checkpoint: str, layout: FederationLayout, model: nn.Module) -> None:
+def write_layout_record(checkpoint: str, layout: FederationLayout, model: nn.Module, data: dict[str, int]) -> None:
     with open(os.path.join(checkpoint, FED_LAYOUT_NAME), "w") as f:
-        json.dump(layout_record(layout, model), f, indent=2)
+        json.dump(layout_record(layout, model, data), f, indent=2)
+
+
+def is_reshardable(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` can resume on another layout: its outer state is held by parameter name (DCP), not
+    per position (``position{p}.pt``, an earlier release's), and it records its data arithmetic."""
+    if not os.path.isfile(os.path.join(checkpoint, OUTER_DIR, ".metadata")):
+        return False
+    with open(os.path.join(checkpoint, FED_LAYOUT_NAME)) as f:
+        return "samples_per_step" in json.load(f)
 
 
 def check_resumable(checkpoint: str, layout: FederationLayout, model: nn.Module) -> None:
@@ -215,20 +226,29 @@ def check_resumable(checkpoint: str, layout: FederationLayout, model: nn.Module)
         )
     with open(path) as f:
         saved = json.load(f)
+    if layout.federated and is_reshardable(checkpoint):  # another layout is resharded (checkpointing.reshard)
+        check_model_matches(saved["model"], model_fingerprint(model), checkpoint)
+        return
     check_layout_matches(saved, layout, checkpoint)
     check_model_matches(saved["model"], model_fingerprint(model), checkpoint)
 
 
 def check_layout_matches(saved: dict[str, Any], layout: FederationLayout, checkpoint: str) -> None:
-    """Each group's shards only fit the same groups: same world, group and shard sizes."""
+    """A checkpoint of an earlier release (outer state per position) fits only its own world, group and shard
+    sizes; and one group resumes no federated checkpoint."""
     now = (layout.world_size, layout.group_size, layout.shard_size)
     then = (saved["world_size"], saved["fed_group_size"], saved["fed_shard_size"])
     if now != then:
+        why = (
+            "one group (no federation) does not resume a federated checkpoint"
+            if not layout.federated
+            else "its outer state (fed_outer/position*.pt, an earlier release's format) fits only that layout"
+        )
         raise ConfigError(
             f"resume_from_checkpoint={checkpoint} was written with fed_group_size={then[1]}, "
             f"fed_shard_size={then[2]} on WORLD_SIZE={then[0]}, but this run has fed_group_size={now[1]}, "
-            f"fed_shard_size={now[2]} on WORLD_SIZE={now[0]}. Relaunch on {then[0]} ranks with --fed_group_size "
-            f"{then[1]} --fed_shard_size {then[2]}, or use another output_dir."
+            f"fed_shard_size={now[2]} on WORLD_SIZE={now[0]}, and {why}. Relaunch on {then[0]} ranks with "
+            f"--fed_group_size {then[1]} --fed_shard_size {then[2]}, or use another output_dir."
         )
 
 
@@ -240,17 +260,6 @@ def check_model_matches(saved: dict[str, Any], current: dict[str, Any], checkpoi
             f"{current['model_type']} with {current['parameters']:,} (shapes {current['shapes_sha256']}). Build "
             "the model from the checkpoint's config.json, or use another output_dir."
         )
-
-
-def write_counters(checkpoint: str, group_index: int, rank: int, counters: dict[str, Any]) -> None:
-    with open(os.path.join(group_dir(checkpoint, group_index), f"fedavg_rank{rank}.json"), "w") as f:
-        json.dump(counters, f)
-
-
-def read_counters(checkpoint: str, group_index: int, rank: int) -> dict[str, Any]:
-    path = os.path.join(group_dir(checkpoint, group_index), f"fedavg_rank{rank}.json")
-    with reading(path), open(path) as f:
-        return json.load(f)
 
 
 def _remove_staging_folders(run_dir: str) -> None:
@@ -283,69 +292,3 @@ def atomic_checkpoint(final_dir: str, is_writer: bool) -> Iterator[str]:
             shutil.rmtree(final_dir)
         os.rename(staging, final_dir)
     dist.barrier()
-
-
-def outer_state_path(checkpoint: str | Path, position: int) -> str:
-    """The file of the anchor and outer momentum of the shards at ``position`` (rank within a group)."""
-    return os.path.join(checkpoint, OUTER_DIR, f"position{position}.pt")
-
-
-def save_outer_state(checkpoint: str, position: int, state: dict | None) -> None:
-    """Write one position's anchor and outer momentum (fp32 local shards; group 0's ranks write them)."""
-    if state is None:
-        return
-    path = outer_state_path(checkpoint, position)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(state, path)
-
-
-def load_outer_state(checkpoint: str, position: int) -> dict | None:
-    """One position's anchor and outer momentum, or ``None`` for a checkpoint written without them."""
-    path = outer_state_path(checkpoint, position)
-    if not os.path.isfile(path):
-        return None
-    with reading(path):
-        return torch.load(path, weights_only=True)
-
-
-def in_flight_path(checkpoint: str | Path, group: int, rank: int) -> str:
-    """The file of rank ``rank``'s exchange in flight (group-specific: it holds the group's own snapshot)."""
-    return os.path.join(group_dir(checkpoint, group), f"in_flight_rank{rank}.pt")
-
-
-def save_in_flight_state(checkpoint: str, group: int, rank: int, state: dict | None) -> None:
-    """Write this rank's exchange in flight, if there is one."""
-    if state is not None:
-        torch.save(state, in_flight_path(checkpoint, group, rank))
-
-
-def load_in_flight_state(checkpoint: str, group: int, rank: int, device: torch.device) -> dict | None:
-    """This rank's exchange in flight at the save (its tensors on ``device``), or ``None`` when there was none."""
-    path = in_flight_path(checkpoint, group, rank)
-    if not os.path.isfile(path):
-        return None
-    location = "cpu" if device.type == "cpu" else device  # torch.load does not restore onto "cpu:0"
-    with reading(path):
-        return torch.load(path, map_location=location, weights_only=True)
-
-
-def save_averaging_state(checkpoint: str, layout: FederationLayout, rank: int, state: dict) -> None:
-    """Write rank ``rank``'s `FederatedAverager.state_dict` into its files: counters and exchange in flight in its
-    group's folder, the outer state (equal in every group) by group 0's ranks in ``fed_outer/``."""
-    group = layout.group_index(rank)
-    os.makedirs(group_dir(checkpoint, group), exist_ok=True)
-    write_counters(checkpoint, group, rank, state["counters"])
-    save_in_flight_state(checkpoint, group, rank, state["in_flight"])
-    if group == 0:
-        save_outer_state(checkpoint, layout.position(rank), state["outer"])
-
-
-def load_averaging_state(checkpoint: str, layout: FederationLayout, rank: int, device: torch.device) -> dict:
-    """`save_averaging_state`'s files as rank ``rank``'s `FederatedAverager.state_dict` (without ``step``, which
-    the Trainer's state holds)."""
-    group = layout.group_index(rank)
-    return {
-        "counters": read_counters(checkpoint, group, rank),
-        "in_flight": load_in_flight_state(checkpoint, group, rank, device),
-        "outer": load_outer_state(checkpoint, layout.position(rank)),
-    }

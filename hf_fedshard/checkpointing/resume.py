@@ -1,7 +1,8 @@
 """Which checkpoint a federated run resumes from: the newest that verifies, agreed by every rank.
 
-Every rank checks the sizes of the files it will read (the checkpoint's top-level files, the outer state of its
-position in ``fed_outer/`` whoever wrote it, and its group's folder) in every candidate; one collective tells all
+Every rank checks the sizes of the files it will read (the checkpoint's top-level files, the outer state in
+``fed_outer/`` whoever wrote it, and its group's folder; on another layout every group's) in every candidate; one
+collective tells all
 ranks which candidates passed everywhere. The newest of those is then checksummed, each rank hashing its share of
 the files (every file some rank reads is hashed by one rank), and one more collective agrees on the result:
 a mismatch on any rank makes all ranks move on to the next candidate, together. Candidates with verified damage
@@ -28,11 +29,11 @@ from hf_fedshard.checkpointing.checkpoint import (
     check_resumable,
     complete_checkpoints,
     group_dir,
-    outer_state_path,
     set_aside,
     steps_every_group_has,
 )
 from hf_fedshard.checkpointing.manifest import MANIFEST_NAME, checksum_problem, read_manifest, size_problem
+from hf_fedshard.checkpointing.reshard import layout_change
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.arguments import FedShardTrainingArguments
 from hf_fedshard.transports.mesh import FederationLayout
@@ -118,12 +119,14 @@ def _shared_files(files: dict) -> list[str]:
     return [path for path in files if "/" not in path or path.startswith(OUTER_DIR + "/")]
 
 
-def _files_read_by(files: dict, layout: FederationLayout, rank: int) -> list[str]:
-    """The files ``rank`` reads at resume, shared ones first: the top-level files, its position's outer state
-    and its group's folder."""
-    outer = os.path.relpath(outer_state_path("", layout.position(rank))).replace(os.sep, "/")
+def _files_read_by(files: dict, layout: FederationLayout, rank: int, resharded: bool) -> list[str]:
+    """The files ``rank`` reads at resume, shared ones first: the top-level files, the outer state and its group's
+    folder; on another layout (``resharded``) every group's folder (the global model and the mean of the moments)."""
+    shared = _shared_files(files)
+    if resharded:
+        return shared + [path for path in files if path not in shared]
     group = os.path.basename(group_dir("", layout.group_index(rank))) + "/"
-    return [path for path in files if "/" not in path or path == outer] + [p for p in files if p.startswith(group)]
+    return shared + [path for path in files if path.startswith(group)]
 
 
 def _size_problem(checkpoint: str, layout: FederationLayout, model: nn.Module, rank: int) -> str | None:
@@ -139,8 +142,9 @@ def _size_problem(checkpoint: str, layout: FederationLayout, model: nn.Module, r
     top_level = [path for path in files if "/" not in path]
     problem = size_problem(checkpoint, files, top_level)
     if problem is None:
-        check_resumable(checkpoint, layout, model)  # another layout or model is bad input, not damage
-        problem = size_problem(checkpoint, files, _files_read_by(files, layout, rank))
+        check_resumable(checkpoint, layout, model)  # another model is bad input, not damage
+        resharded = layout_change(checkpoint, layout) is not None
+        problem = size_problem(checkpoint, files, _files_read_by(files, layout, rank, resharded))
     return problem
 
 
@@ -148,8 +152,10 @@ def _checksum_problem(checkpoint: str, layout: FederationLayout, rank: int) -> s
     """Hash this rank's share: the shared files (top level, outer state) split among the world, its group's
     files among the group. Every file a rank reads is hashed by some rank, so a damaged one is seen before loading."""
     files = read_manifest(checkpoint)
+    if layout_change(checkpoint, layout) is not None:  # every rank reads every file: split them over the world
+        return checksum_problem(checkpoint, files, list(files)[rank :: layout.world_size])
     shared = _shared_files(files)
-    own = [path for path in _files_read_by(files, layout, rank) if path not in shared]
+    own = [path for path in _files_read_by(files, layout, rank, False) if path not in shared]
     share = shared[rank :: layout.world_size] + own[layout.position(rank) :: layout.group_size]
     return checksum_problem(checkpoint, files, share)
 

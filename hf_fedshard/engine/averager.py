@@ -39,7 +39,7 @@ from hf_fedshard.engine.exchange import Exchange
 from hf_fedshard.engine.failures import explain_failures
 from hf_fedshard.engine.fragments import Fragment, fragment_ranges
 from hf_fedshard.engine.options import AveragingOptions
-from hf_fedshard.engine.outer import OuterOptimizer, outer_state_device
+from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat, outer_state_device
 from hf_fedshard.engine.overlap import InFlight, Worker
 from hf_fedshard.engine.payload import (
     all_finite,
@@ -300,7 +300,12 @@ class FederatedAverager:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state_dict`'s output, with this averager's own settings (a resume may change the outer
-        optimizer and the wire dtype: `hf_fedshard.engine.settings_history`)."""
+        optimizer and the wire dtype: `hf_fedshard.engine.settings_history`). ``outer`` may also be held by
+        parameter (`fragments_from_flat`), as a checkpoint read onto another layout holds it."""
+        if "anchor" in (state.get("outer") or {}):
+            ranges = [(f.start, f.stop) for f in self.fragments]
+            outer = fragments_from_flat(state["outer"], ranges, [f.outer for f in self.fragments])
+            state = {**state, "outer": outer}
         check_state(state, self.schedule, len(self.fragments))
         self.step_count = int(state["step"])
         counters = state["counters"]

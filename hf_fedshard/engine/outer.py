@@ -112,3 +112,18 @@ class OuterOptimizer:
         self.optimizer.param_groups[0].update(own)
         if own["momentum"] == 0:
             self.optimizer.state.clear()
+
+
+def fragments_from_flat(flat: dict, ranges: Sequence[tuple[int, int]], optimizers: Sequence[OuterOptimizer]) -> dict:
+    """A checkpoint's outer state held by parameter (``anchor``: a tensor per trainable parameter, ``momentum``: a
+    tensor or ``None`` each) as `FederatedAverager.state_dict`'s ``outer``, cut at this averager's fragments
+    ``ranges``; the param groups are ``optimizers``' own (their hyperparameters win at a load anyway)."""
+    fragments = []
+    for (start, stop), optimizer in zip(ranges, optimizers, strict=True):
+        momenta = flat["momentum"][start:stop]
+        state = {i: {"momentum_buffer": m} for i, m in enumerate(momenta) if m is not None}
+        param_groups = optimizer.optimizer.state_dict()["param_groups"]
+        fragments.append(
+            {"anchor": flat["anchor"][start:stop], "optimizer": {"state": state, "param_groups": param_groups}}
+        )
+    return {"fragments": fragments}

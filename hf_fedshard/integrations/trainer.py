@@ -20,20 +20,28 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, has_length, rotate_checkpoints
 
+from hf_fedshard.checkpointing.averaging_state import load_averaging_state, read_counters, save_averaging_state
 from hf_fedshard.checkpointing.checkpoint import (
     atomic_checkpoint,
     check_resumable,
     group_dir,
     latest_complete_checkpoint,
-    load_averaging_state,
     load_group_model,
     load_group_optimizer,
-    read_counters,
     reading,
-    save_averaging_state,
     save_group_model,
     save_group_optimizer,
     write_layout_record,
+)
+from hf_fedshard.checkpointing.reshard import (
+    DataPosition,
+    LayoutChange,
+    data_position,
+    global_model_source,
+    layout_change,
+    load_global_model,
+    load_mean_optimizer,
+    load_resharded_averaging_state,
 )
 from hf_fedshard.checkpointing.resume import load_on_every_rank, resumable_checkpoint
 from hf_fedshard.engine import FederationCommunicator, ProcessGroupCommunicator
@@ -104,6 +112,9 @@ class FedShardMixin(Trainer):
         self._peer_state: dict | None = None  # a live peer's state this group healed from, until training takes it
         self._card_kwargs: dict[str, Any] = {}
         self._group_eval: tuple[int, dict[str, float]] | None = None  # (step, metrics) of the last group eval
+        self._layout_change: LayoutChange | None = None  # the checkpoint being resumed was written on another layout
+        self._data_arithmetic: dict[str, int] = {}  # samples_per_step, steps_per_epoch: fed_layout.json records them
+        self._resumed_position: DataPosition | None = None  # where the data resumes after a layout change
         super().__init__(*args, **kwargs)
         if self.args.fed_evaluates_groups and (
             isinstance(self.eval_dataset, dict) or not has_length(self.eval_dataset)
@@ -246,6 +257,7 @@ class FedShardMixin(Trainer):
         if self.args.fed_requested:  # beside Trainer's "Total train batch size" (the world's), at the default level
             notice("%s; %s", self.fed_layout.describe(), self._batch_arithmetic())
         auto = resume_from_checkpoint is None and self.args.fed_auto_resume
+        self._layout_change, self._resumed_position = None, None
         layout = self.args.fed_launch_layout  # what a checkpoint holds: this job's groups (torchft: its one group)
         if self.fed_callback is not None:
             resume_from_checkpoint = resumable_checkpoint(resume_from_checkpoint, self.args, layout, self.model)
@@ -253,6 +265,8 @@ class FedShardMixin(Trainer):
             resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
         if isinstance(resume_from_checkpoint, str):
             check_resumable(resume_from_checkpoint, layout, self.model)  # one group refuses federated ones
+            self._layout_change = layout_change(resume_from_checkpoint, layout) if self.fed_callback else None
+            self._check_layout_change(resume_from_checkpoint)
             if auto and self.args.should_log:
                 logger.warning("hf_fedshard: fed_auto_resume: resuming from %s", resume_from_checkpoint)
         if self.fed_federation is not None:
@@ -263,6 +277,56 @@ class FedShardMixin(Trainer):
         finally:
             if self.fed_federation is not None:
                 self.fed_federation.shutdown()
+
+    # ---- Resuming on another layout ----
+
+    def _check_layout_change(self, checkpoint: str) -> None:
+        """Refuse, on every rank alike, a layout change this run cannot honour."""
+        change = self._layout_change
+        if change is None:
+            return
+        if self.args.fed_elastic:
+            raise ConfigError(
+                f"resume_from_checkpoint={checkpoint} was written on {change.old_layout()}, but fed_transport torchft "
+                "resumes a group's checkpoint only on its own group size. Relaunch the group on "
+                f"{change.saved['world_size']} ranks, or resume it with fed_transport mesh."
+            )
+        if self.args.max_steps <= 0:
+            raise ConfigError(
+                f"resume_from_checkpoint={checkpoint} was written on {change.old_layout()} and this run is "
+                f"{change.new_layout()}: a layout change keeps counting optimizer steps, so it needs --max_steps "
+                "(the schedule's length; epochs would change it with the world batch). Pass --max_steps."
+            )
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
+        # Record a step's data arithmetic for fed_layout.json; on another layout, enough epochs to reach max_steps.
+        values = super().set_initial_training_values(args, dataloader)
+        _, steps_per_epoch, _, _, total_batch, _, max_steps = values
+        self._data_arithmetic = {"samples_per_step": int(total_batch), "steps_per_epoch": int(steps_per_epoch)}
+        change = self._layout_change
+        if change is None:
+            return values
+        position = data_position(change, int(total_batch), int(steps_per_epoch))
+        self._resumed_position = position
+        left_in_epoch = steps_per_epoch - position.steps
+        more = math.ceil(max(0, max_steps - change.step - left_in_epoch) / steps_per_epoch)
+        return (position.epoch + 1 + more, *values[1:])
+
+    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        # On another layout the data position follows the samples read, not the step (checkpointing.reshard).
+        epochs_trained, steps_trained = super()._init_training_state(*args, **kwargs)
+        change, position = self._layout_change, self._resumed_position
+        if change is None or position is None:
+            return epochs_trained, steps_trained
+        if self.args.should_log:
+            logger.warning(
+                "hf_fedshard: resuming step %d of %s on %s: the model is %s; the anchor and outer momentum are the "
+                "checkpoint's, resharded; the inner optimizer's moments are the mean of the %d groups', resharded; "
+                "an exchange in flight (if any) is dropped; the world batch goes from %d to %d samples per step; %s.",
+                change.step, change.old_layout(), change.new_layout(), global_model_source(change), change.old_groups,
+                change.saved["samples_per_step"], self._data_arithmetic["samples_per_step"], position.describe(),
+            )  # fmt: skip
+        return position.epoch, position.steps * self.args.gradient_accumulation_steps
 
     # ---- fed_transport torchft: groups that join and leave ----
 
@@ -382,9 +446,9 @@ class FedShardMixin(Trainer):
             self._save_rng_state(checkpoint)
         state = self.fed_callback.averager.state_dict()
         layout = self.args.fed_launch_layout
-        save_averaging_state(checkpoint, layout, self.args.process_index, state)
+        save_averaging_state(checkpoint, layout, self.args.process_index, state, self.model, self._group_pg)
         if self.args.should_save:
-            write_layout_record(checkpoint, layout, self.model)
+            write_layout_record(checkpoint, layout, self.model, self._data_arithmetic)
             config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
             if config is not None:
                 config.save_pretrained(checkpoint)
@@ -419,11 +483,18 @@ class FedShardMixin(Trainer):
         load_on_every_rank(resume_from_checkpoint, lambda: self._load_federated_state(resume_from_checkpoint, model))
 
     def _load_federated_state(self, checkpoint: str, model: nn.Module | None) -> None:
-        """This rank's model shards and averaging state (`_save_federated_state`'s)."""
+        """This rank's model shards and averaging state (`_save_federated_state`'s), or on another layout the
+        checkpoint's global model and averaging state resharded (`hf_fedshard.checkpointing.reshard`)."""
+        model = model or self.model
+        if self._layout_change is not None:
+            load_global_model(model, self._layout_change, self._group_pg)
+            state = load_resharded_averaging_state(self._layout_change, model, self._group_pg)
+            return self.fed_callback.load_state_dict(state)
         group = group_dir(checkpoint, self._group_index)
-        load_group_model(model or self.model, os.path.join(group, "model"), self._group_pg)
-        rank, device, layout = self.args.process_index, self.args.device, self.args.fed_launch_layout
-        self.fed_callback.load_state_dict(load_averaging_state(checkpoint, layout, rank, device))
+        load_group_model(model, os.path.join(group, "model"), self._group_pg)
+        layout = self.args.fed_launch_layout
+        state = load_averaging_state(checkpoint, layout, self.args.process_index, model, self._group_pg)
+        self.fed_callback.load_state_dict(state)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # Each group reads its own optimizer state; a save_only_model checkpoint has none, as with Trainer.
@@ -439,7 +510,10 @@ class FedShardMixin(Trainer):
         load_on_every_rank(checkpoint, lambda: self._load_group_optimizer_and_scheduler(checkpoint, directory))
 
     def _load_group_optimizer_and_scheduler(self, checkpoint: str, directory: str) -> None:
-        load_group_optimizer(self.model, self.optimizer, directory, self._group_pg)
+        if self._layout_change is not None:
+            load_mean_optimizer(self.model, self.optimizer, self._layout_change, self._group_pg)
+        else:
+            load_group_optimizer(self.model, self.optimizer, directory, self._group_pg)
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         with reading(path):
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))

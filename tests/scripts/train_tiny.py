@@ -75,6 +75,9 @@ class ScriptArguments:
     record_eval_params: bool = field(
         default=False, metadata={"help": "Keep each group's full parameters at every evaluation, before averaging."}
     )
+    record_resume: bool = field(
+        default=False, metadata={"help": "Record what training starts from: model, anchors, moments, schedule."}
+    )
     record_syncs: bool = field(
         default=False,
         metadata={"help": "Keep this group's full parameters around every averaging, and each exchange's Δ and mean."},
@@ -244,6 +247,42 @@ class SyncRecorder(TrainerCallback):
         return means, sent
 
 
+class ResumeRecorder(TrainerCallback):
+    """What training starts from, after FedAvgCallback built the averager (and loaded a checkpoint's state): the
+    full parameters, anchors and outer momenta, the inner optimizer's moments and steps, the schedule's position."""
+
+    def __init__(self, trainer: FedShardTrainer) -> None:
+        self.trainer, self.state = trainer, {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+        fragments = trainer.fed_callback.averager.state_dict()["outer"]["fragments"]
+        anchors = [a for f in fragments for a in f["anchor"]]
+        momenta = [f["optimizer"]["state"].get(i, {}).get("momentum_buffer") for f in fragments
+                   for i in range(len(f["anchor"]))]  # fmt: skip
+        optimizer = trainer.optimizer.optimizer
+        moments = {n: {k: full_tensor(v) for k, v in optimizer.state[p].items() if k.startswith("exp_")}
+                   for n, p in named}  # fmt: skip
+        self.state = {
+            "step": state.global_step,
+            "params": {n: full_tensor(p) for n, p in trainer.model.named_parameters()},
+            "anchor": {n: full_of(a, p) for (n, p), a in zip(named, anchors, strict=True)},
+            "momentum": {n: full_of(m, p) for (n, p), m in zip(named, momenta, strict=True) if m is not None},
+            "moments": moments,
+            "inner_steps": {n: float(optimizer.state[p]["step"]) for n, p in named},
+            "last_epoch": trainer.lr_scheduler.last_epoch,
+        }
+
+
+def full_of(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of which ``local`` is this rank's shard, laid out like ``param`` (a group collective)."""
+    if not isinstance(param, DTensor):
+        return local.detach().clone()
+    spec = {"shape": param.shape, "stride": param.stride(), "run_check": False}
+    return DTensor.from_local(local, param.device_mesh, param.placements, **spec).full_tensor()
+
+
 class ExportMidTraining(TrainerCallback):
     """Calls save_model at the end of one step (after FedAvgCallback), keeping the parameters it found there."""
 
@@ -302,6 +341,9 @@ def main(argv: list[str] | None = None) -> None:
     if isinstance(trainer, FedShardTrainer):
         trainer.add_callback(Faults(script, args.process_index, args.fed_group_index(args.process_index)))
     eval_params = EvalParamsRecorder(trainer) if script.record_eval_params else None
+    resume = ResumeRecorder(trainer) if script.record_resume else None
+    if resume is not None:
+        trainer.add_callback(resume)
     syncs = SyncRecorder(trainer) if script.record_syncs else None
     if syncs is not None:
         trainer.add_callback(syncs)
@@ -324,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         "seen": seen,
         "checksums": recorder.checksums,
         "started_at_step": recorder.started_at_step,
+        "resumed": resume.state if resume else None,
         "fed_counters": averager.state_dict()["counters"] if averager else None,
         "params_before_export": exporter.params_before if exporter else None,
         "params_after_export": exporter.params_after if exporter else None,

@@ -1,0 +1,174 @@
+"""Resuming a federated checkpoint on another layout: another number of groups, group size or shard size.
+
+A shared cluster rarely gives a restarted job the same allocation. What a run on the new layout starts from (the
+rules docs/fault_tolerance.md states, "Resuming on another layout"):
+
+- **Model**: the global model. Right after a blocking averaging with nothing in flight every group held it, so it
+  is group 0's model; otherwise it is the plain mean of the groups' models (the model evaluated and exported at
+  that step). DCP reads each group's shards onto the new groups' own.
+- **Anchor and outer momentum**: the checkpoint's, resharded (`hf_fedshard.checkpointing.averaging_state`).
+- **Inner optimizer**: the plain mean of the groups' moments, resharded; its step count is kept.
+- **An exchange in flight** is dropped: the plain mean of the models holds the progress it carried, and the anchor
+  is still the one before it, so the next averaging's Δ covers both windows.
+- **Counters**: group 0's first rank's (schedule position, counts); the last averaging's pending norms are dropped.
+- **Schedule**: the LR schedule and ``max_steps`` keep counting optimizer steps; the world batch of a step changes
+  with the layout.
+- **Data**: epoch e = S // (steps per epoch then) resumes after the samples the old layout read in it,
+  c = (S mod steps per epoch) × its world batch, rounded up to whole steps of the new layout: the fewer than one
+  step's samples in between are not read in this epoch, and no sample is read twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from transformers.trainer import TRAINER_STATE_NAME
+
+from hf_fedshard.checkpointing.averaging_state import in_flight_path, load_outer_state, read_counters
+from hf_fedshard.checkpointing.checkpoint import (
+    FED_LAYOUT_NAME,
+    group_dir,
+    load_group_model,
+    load_group_optimizer,
+    reading,
+)
+from hf_fedshard.engine.payload import model_state_tensors, optimizer_state_tensors
+from hf_fedshard.transports.mesh import FederationLayout
+
+
+@dataclass(frozen=True)
+class LayoutChange:
+    """A checkpoint (its path, ``fed_layout.json`` and step) and the layout resuming it, where the layouts differ."""
+
+    checkpoint: str
+    saved: dict
+    step: int
+    layout: FederationLayout
+
+    @property
+    def old_groups(self) -> int:
+        return int(self.saved["num_groups"])
+
+    def old_layout(self) -> str:
+        saved = self.saved
+        shards = f", shards of {saved['fed_shard_size']}" if saved["fed_shard_size"] != saved["fed_group_size"] else ""
+        return f"{saved['method']}, {saved['num_groups']} groups × {saved['fed_group_size']} ranks{shards}"
+
+    def new_layout(self) -> str:
+        layout = self.layout
+        shards = f", shards of {layout.shard_size}" if layout.shard_size != layout.group_size else ""
+        return f"{layout.method}, {layout.num_groups} groups × {layout.group_size} ranks{shards}"
+
+
+def layout_change(checkpoint: str, layout: FederationLayout) -> LayoutChange | None:
+    """The change from ``checkpoint``'s layout to ``layout``, or ``None`` where they match (or nothing is recorded)."""
+    path = os.path.join(checkpoint, FED_LAYOUT_NAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    then = (saved["world_size"], saved["fed_group_size"], saved["fed_shard_size"])
+    if then == (layout.world_size, layout.group_size, layout.shard_size):
+        return None
+    state = os.path.join(checkpoint, TRAINER_STATE_NAME)
+    with reading(state), open(state) as f:
+        step = int(json.load(f)["global_step"])
+    return LayoutChange(checkpoint, saved, step, layout)
+
+
+def groups_held_global_model(change: LayoutChange) -> bool:
+    """Whether every group held the global model at the save: all fragments averaged at its step, none in flight."""
+    synced = read_counters(change.checkpoint, 0, 0)["synced_at"]
+    group_size = change.saved["fed_group_size"]
+    in_flight = any(
+        os.path.isfile(in_flight_path(change.checkpoint, rank // group_size, rank))
+        for rank in range(change.saved["world_size"])
+    )
+    return all(int(s) == change.step for s in synced) and not in_flight
+
+
+def global_model_source(change: LayoutChange) -> str:
+    """Where the new groups' model comes from, for the start-up line."""
+    if groups_held_global_model(change):
+        return "group 0's (every group held it: the checkpoint follows an averaging)"
+    return f"the plain mean of the {change.old_groups} groups' (the checkpoint is between averagings)"
+
+
+def _mean_of_groups(load: Callable[[str], None], tensors: Callable[[], list[torch.Tensor]], folders: list[str]) -> None:
+    """Load each of ``folders`` in turn and leave the plain mean in ``tensors()``: fp32 sums in folder order, ÷ their
+    number, cast back (the rule the tests reproduce to the bit)."""
+    sums: list[torch.Tensor] = []
+    for index, folder in enumerate(folders):
+        load(folder)
+        current = tensors()
+        if index == 0:
+            sums = [t.detach().float().clone() for t in current]
+        else:
+            for total, t in zip(sums, current, strict=True):
+                total.add_(t.float())
+    with torch.no_grad():
+        for total, t in zip(sums, tensors(), strict=True):
+            t.copy_(total.div_(len(folders)))
+
+
+def load_global_model(model: nn.Module, change: LayoutChange, group: ProcessGroup) -> None:
+    """Load the checkpoint's global model (`global_model_source`) onto this group's shards."""
+    if groups_held_global_model(change):
+        return load_group_model(model, os.path.join(group_dir(change.checkpoint, 0), "model"), group)
+    folders = [os.path.join(group_dir(change.checkpoint, g), "model") for g in range(change.old_groups)]
+    _mean_of_groups(lambda folder: load_group_model(model, folder, group), lambda: model_state_tensors(model), folders)
+
+
+def load_mean_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, change: LayoutChange, group: ProcessGroup
+) -> None:
+    """The inner optimizer's moments as the plain mean of the old groups' (each resharded onto this group)."""
+    folders = [os.path.join(group_dir(change.checkpoint, g), "optimizer") for g in range(change.old_groups)]
+    _mean_of_groups(
+        lambda folder: load_group_optimizer(model, optimizer, folder, group),
+        lambda: optimizer_state_tensors(optimizer, model),
+        folders,
+    )
+
+
+def load_resharded_averaging_state(change: LayoutChange, model: nn.Module, group: ProcessGroup) -> dict:
+    """The averager's state on a new layout: the first rank's counters (its pending norms dropped), nothing in
+    flight, the outer state by parameter."""
+    counters = {**read_counters(change.checkpoint, 0, 0), "pending_norms": None}
+    return {"counters": counters, "in_flight": None, "outer": load_outer_state(change.checkpoint, model, group, 0)}
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where the data of a resumed epoch starts on the new layout."""
+
+    epoch: int
+    consumed: int  # samples of ``epoch`` the old layout read
+    steps: int  # whole steps of the new layout that cover them (what Trainer skips)
+    skipped: int  # samples between, not read in this epoch
+
+    def describe(self) -> str:
+        if self.consumed == 0:
+            return f"epoch {self.epoch} starts from its beginning"
+        return (
+            f"epoch {self.epoch} resumes after its first {self.consumed} samples ({self.steps} steps of the new "
+            f"layout; {self.skipped} samples in between are not read in this epoch)"
+        )
+
+
+def data_position(change: LayoutChange, samples_per_step: int, steps_per_epoch: int) -> DataPosition:
+    """The resumed epoch, and the new layout's steps that cover what the old one read of it (rounded up)."""
+    old_steps_per_epoch = int(change.saved["steps_per_epoch"])
+    epoch, done = divmod(change.step, old_steps_per_epoch)
+    consumed = done * int(change.saved["samples_per_step"])
+    steps = math.ceil(consumed / samples_per_step)
+    if steps >= steps_per_epoch:  # what remains of the epoch is less than one step of the new layout
+        return DataPosition(epoch + 1, 0, 0, 0)
+    return DataPosition(epoch, consumed, steps, steps * samples_per_step - consumed)

@@ -1,0 +1,156 @@
+"""Resuming a federated checkpoint on another layout (hf_fedshard.checkpointing.reshard).
+
+In-process: the data arithmetic and the outer state held by parameter. Multi-process (torchrun, gloo): a run of
+2 groups × 2 ranks with the Nesterov outer optimizer and AdamW writes checkpoint-2 (between averagings) and
+checkpoint-4 (on one); other layouts resume them, and what their training starts from is pinned to the rule: the
+global model (group 0's, or the plain mean of the groups' models in fp32), the anchor and outer momentum, the mean
+of the groups' AdamW moments, the LR schedule's step, and the samples each rank reads next.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_fedshard.checkpointing.reshard import DataPosition, LayoutChange, data_position
+from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat
+from hf_fedshard.transports.mesh import FederationLayout
+
+from .launch import SCRIPTS, SGD, torchrun
+from .test_reliability import ADAMW, read_dcp
+
+SOURCE = ["--fed_group_size", "2", "--fed_sync_steps", "4", "--max_steps", "6", "--save_strategy", "steps",
+          "--save_steps", "2", "--fed_outer_optimizer", "nesterov", *ADAMW]  # fmt: skip
+BATCH = 2  # per device (tests.launch.SGD)
+
+
+def change(step: int, samples_per_step: int = 8, steps_per_epoch: int = 8) -> LayoutChange:
+    saved = {"samples_per_step": samples_per_step, "steps_per_epoch": steps_per_epoch, "num_groups": 2}
+    return LayoutChange("checkpoint", saved, step, FederationLayout(3, 1))
+
+
+@pytest.mark.parametrize(
+    ("step", "new_batch", "new_steps_per_epoch", "position"),
+    [
+        (2, 6, 10, DataPosition(0, 16, 3, 2)),  # 16 read; 3 steps of 6 cover them; 2 samples not read
+        (4, 4, 16, DataPosition(0, 32, 8, 0)),  # a whole number of new steps: nothing skipped
+        (10, 6, 10, DataPosition(1, 16, 3, 2)),  # epoch 1 (8 steps per epoch then), 2 steps into it
+        (7, 16, 4, DataPosition(1, 0, 0, 0)),  # 56 of epoch 0 read: 4 steps of 16 would pass its end
+    ],
+)
+def test_the_data_resumes_after_the_samples_read_rounded_up_to_new_steps(
+    step, new_batch, new_steps_per_epoch, position
+):
+    assert data_position(change(step), new_batch, new_steps_per_epoch) == position
+
+
+def test_outer_state_by_parameter_is_cut_at_this_averagers_fragments():
+    """Anchors and momenta held by parameter (as DCP reads them onto any layout) become each fragment's state, the
+    momentum of a parameter without one left out, the param groups this averager's own."""
+    anchors = [torch.full((2,), float(i)) for i in range(5)]
+    momenta = [torch.ones(2), None, torch.ones(2) * 2, torch.ones(2) * 3, torch.ones(2) * 4]
+    optimizers = [OuterOptimizer([torch.zeros(2)] * n, lr=0.7, momentum=0.9) for n in (2, 3)]
+    outer = fragments_from_flat({"anchor": anchors, "momentum": momenta}, [(0, 2), (2, 5)], optimizers)
+    first, second = outer["fragments"]
+    assert [a[0].item() for a in first["anchor"]] == [0, 1] and [a[0].item() for a in second["anchor"]] == [2, 3, 4]
+    assert list(first["optimizer"]["state"]) == [0] and list(second["optimizer"]["state"]) == [0, 1, 2]
+    assert second["optimizer"]["state"][2]["momentum_buffer"] is momenta[4]
+    assert second["optimizer"]["param_groups"][0]["params"] == [0, 1, 2]
+    assert second["optimizer"]["param_groups"][0]["lr"] == 0.7
+    optimizers[1].load_state_dict(second)
+    assert torch.equal(optimizers[1].anchor[2], anchors[4])
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> tuple[Path, list[int]]:
+    """The 2 × 2 run, and the order its world read the samples in (the epoch's permutation, steps 1–6)."""
+    out = tmp_path_factory.mktemp("source")
+    runs = run(4, out, SOURCE)
+    return out, world_order([r["seen"] for r in runs])
+
+
+def run(nproc: int, out: Path, args: list) -> list[dict]:
+    result = torchrun(nproc, SCRIPTS / "train_tiny.py", ["--output_dir", out, "--dump_dir", out / "dump", *SGD, *args])
+    assert result.returncode == 0, result.stdout[-6000:]
+    runs = [torch.load(out / "dump" / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+    runs[0]["stdout"] = result.stdout
+    return runs
+
+
+def world_order(seen: list[list[int]]) -> list[int]:
+    """The samples of the world's steps in order: rank r's i-th batch is the world's batch i·W + r (Accelerate's
+    BatchSamplerShard), each of BATCH samples."""
+    world = len(seen)
+    batches = {(i * world + r): seen[r][i * BATCH : (i + 1) * BATCH] for r in range(world) for i in
+               range(len(seen[r]) // BATCH)}  # fmt: skip
+    return [sample for index in sorted(batches) for sample in batches[index]]
+
+
+def mean_of_groups(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The rule: fp32 sums in group order, ÷ the number of groups."""
+    total = tensors[0].float().clone()
+    for t in tensors[1:]:
+        total.add_(t.float())
+    return total.div_(len(tensors))
+
+
+def assert_starts_from(resumed: dict, checkpoint: Path, tmp_path: Path, model_groups: list[int]) -> None:
+    """The model is the mean of ``model_groups``' models (one group: its model, bit for bit); the anchor and outer
+    momentum are the checkpoint's; the AdamW moments the mean of both groups', their step count the same."""
+    models = [read_dcp(checkpoint / f"fed_group{g}" / "model", tmp_path)["model"] for g in model_groups]
+    outer = read_dcp(checkpoint / "fed_outer", tmp_path)
+    optimizers = [read_dcp(checkpoint / f"fed_group{g}" / "optimizer", tmp_path)["optimizer"] for g in (0, 1)]
+    assert resumed["momentum"], "the Nesterov run has a momentum buffer"
+    for name, value in resumed["params"].items():
+        expected = models[0][name] if len(models) == 1 else mean_of_groups([m[name] for m in models])
+        assert torch.equal(value, expected), name
+        assert torch.equal(resumed["anchor"][name], outer["anchor"][name]), name
+        assert torch.equal(resumed["momentum"][name], outer["momentum"][name]), name
+        for moment in ("exp_avg", "exp_avg_sq"):
+            per_group = [o["state"][name][moment] for o in optimizers]
+            assert not torch.equal(*per_group)  # the groups' moments differ: the mean is a real one
+            assert torch.equal(resumed["moments"][name][moment], mean_of_groups(per_group)), (name, moment)
+        assert resumed["inner_steps"][name] == float(optimizers[0]["state"][name]["step"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_between_averagings_resumes_on_three_groups_of_one(source, tmp_path):
+    """checkpoint-2 (groups drifted since step 0's averaging) on 3 ranks × 1: the plain mean of the 2 groups' models;
+    the world read 16 samples, 3 steps of 6 cover them, so the new run reads the order's samples 18–41."""
+    out, order = source
+    args = ["--resume_from_checkpoint", out / "checkpoint-2", "--fed_group_size", "1", "--record_resume", "true"]
+    runs = run(3, tmp_path, [*SOURCE, *args])
+    assert [r["resumed"]["step"] for r in runs] == [2, 2, 2] and runs[0]["resumed"]["last_epoch"] == 2
+    for r in runs:
+        assert_starts_from(r["resumed"], out / "checkpoint-2", tmp_path, model_groups=[0, 1])
+    assert sorted(world_order([r["seen"] for r in runs])) == sorted(order[18:42])
+    line = re.search(r"hf_fedshard: resuming step 2 of (.*)", runs[0]["stdout"]).group(1)
+    assert line.startswith(
+        "FL+FSDP, 2 groups × 2 ranks on FL+FSDP, 3 groups × 1 ranks: the model is the plain mean of the 2 groups' "
+        "(the checkpoint is between averagings); the anchor and outer momentum are the checkpoint's, resharded;"
+    ), line
+    assert "world batch goes from 8 to 6 samples per step; epoch 0 resumes after its first 16 samples (3 steps" in line
+    assert "2 samples in between are not read in this epoch" in line
+    for r in runs[1:]:  # the run ends on one global model
+        assert all(torch.equal(v, runs[0]["full_params"][n]) for n, v in r["full_params"].items())
+    assert runs[0]["fed_counters"]["syncs"] == 3  # step 0's, step 4's and the end's
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("nproc", "layout"), [(2, ["--fed_group_size", "1"]),
+                                               (4, ["--fed_group_size", "2", "--fed_shard_size", "1"])])  # fmt: skip
+def test_after_an_averaging_resumes_on_two_groups_and_on_fl_hsdp(source, tmp_path, nproc, layout):
+    """checkpoint-4 (every group held the global model) on 2 × 1 and on FL+HSDP (2 groups × 2 replicas): group 0's
+    model bit for bit; the 32 samples read are 32 / (2·nproc) whole steps, so nothing is skipped."""
+    out, order = source
+    args = ["--resume_from_checkpoint", out / "checkpoint-4", *layout, "--record_resume", "true"]
+    runs = run(nproc, tmp_path, [*SOURCE, *args])
+    for r in runs:
+        assert_starts_from(r["resumed"], out / "checkpoint-4", tmp_path, model_groups=[0])
+    assert sorted(world_order([r["seen"] for r in runs])) == sorted(order[32 : 32 + 2 * BATCH * nproc])
+    assert "the model is group 0's (every group held it" in runs[0]["stdout"]
