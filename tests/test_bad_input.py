@@ -14,9 +14,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_fedshard import FederationLayout, FedShardTrainer, FedShardTrainingArguments, notices
 from hf_fedshard.checkpointing.checkpoint import (
     check_resumable,
+    check_tokenizer_matches,
     complete_checkpoints,
     latest_complete_checkpoint,
     set_aside,
+    tokenizer_fingerprint,
     write_layout_record,
 )
 from hf_fedshard.checkpointing.manifest import checksum_problem, describe_files, list_files, size_problem
@@ -89,6 +91,30 @@ def test_resuming_elsewhere_fails_with_one_line(
     with pytest.raises(ConfigError, match=rf"^resume_from_checkpoint={checkpoint} {message}") as err:
         check_resumable(checkpoint, run_layout, llama(run_hidden))
     assert "\n" not in str(err.value), case
+
+
+class Vocab:
+    """A processing class with a vocabulary, as tokenizers have."""
+
+    def __init__(self, tokens: dict[str, int]) -> None:
+        self.tokens = tokens
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.tokens)
+
+
+def test_a_checkpoint_trained_with_another_tokenizer_is_refused(tmp_path):
+    """Same size, one token moved: the model's shapes cannot see it, the record does."""
+    saved = {"a": 0, "b": 1, "c": 2}
+    write_layout_record(str(tmp_path), FL_FSDP_4, llama(), {"tokenizer": tokenizer_fingerprint(Vocab(saved))})
+    check_tokenizer_matches(str(tmp_path), tokenizer_fingerprint(Vocab(saved)))
+    check_tokenizer_matches(str(tmp_path), None)  # no vocabulary in this run: nothing to compare
+    message = (
+        rf"^resume_from_checkpoint={tmp_path} was trained with another tokenizer: Vocab with 3 tokens \(vocabulary "
+        r"\w+\), but this run has Vocab with 3 \(vocabulary \w+\)\. Load the tokenizer saved with the run"
+    )
+    with pytest.raises(ConfigError, match=message):
+        check_tokenizer_matches(str(tmp_path), tokenizer_fingerprint(Vocab({"a": 0, "c": 1, "b": 2})))
 
 
 def test_same_layout_and_model_resume(tmp_path):

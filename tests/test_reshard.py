@@ -99,16 +99,18 @@ def mean_of_groups(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def assert_starts_from(resumed: dict, checkpoint: Path, tmp_path: Path, model_groups: list[int]) -> None:
     """The model is the mean of ``model_groups``' models (one group: its model, bit for bit); the anchor and outer
-    momentum are the checkpoint's; the AdamW moments the mean of both groups', their step count the same."""
+    momentum are the checkpoint's (no momentum before the first outer step); the AdamW moments the mean of both
+    groups', their step count the same."""
     models = [read_dcp(checkpoint / f"fed_group{g}" / "model", tmp_path)["model"] for g in model_groups]
     outer = read_dcp(checkpoint / "fed_outer", tmp_path)
     optimizers = [read_dcp(checkpoint / f"fed_group{g}" / "optimizer", tmp_path)["optimizer"] for g in (0, 1)]
-    assert resumed["momentum"], "the Nesterov run has a momentum buffer"
+    assert sorted(resumed["momentum"]) == sorted(outer.get("momentum", {}))
     for name, value in resumed["params"].items():
         expected = models[0][name] if len(models) == 1 else mean_of_groups([m[name] for m in models])
         assert torch.equal(value, expected), name
         assert torch.equal(resumed["anchor"][name], outer["anchor"][name]), name
-        assert torch.equal(resumed["momentum"][name], outer["momentum"][name]), name
+        if resumed["momentum"]:
+            assert torch.equal(resumed["momentum"][name], outer["momentum"][name]), name
         for moment in ("exp_avg", "exp_avg_sq"):
             per_group = [o["state"][name][moment] for o in optimizers]
             assert not torch.equal(*per_group)  # the groups' moments differ: the mean is a real one
@@ -151,6 +153,22 @@ def test_after_an_averaging_resumes_on_two_groups_and_on_fl_hsdp(source, tmp_pat
     args = ["--resume_from_checkpoint", out / "checkpoint-4", *layout, "--record_resume", "true"]
     runs = run(nproc, tmp_path, [*SOURCE, *args])
     for r in runs:
+        assert r["resumed"]["momentum"], "the outer step at 4 started Nesterov's momentum"
         assert_starts_from(r["resumed"], out / "checkpoint-4", tmp_path, model_groups=[0])
     assert sorted(world_order([r["seen"] for r in runs])) == sorted(order[32 : 32 + 2 * BATCH * nproc])
     assert "the model is group 0's (every group held it" in runs[0]["stdout"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_layout_change_without_max_steps_is_refused_on_every_rank(source, tmp_path):
+    """With epochs the schedule's length would follow the new world batch: refused before training, every rank."""
+    args = [*SOURCE, "--resume_from_checkpoint", source[0] / "checkpoint-2", "--fed_group_size", "1",
+            "--max_steps", "-1", "--num_train_epochs", "1"]  # fmt: skip
+    result = torchrun(2, SCRIPTS / "train_tiny.py", ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, *args])
+    assert result.returncode != 0
+    line = (
+        "was written on FL+FSDP, 2 groups × 2 ranks and this run is FL+FSDP, 2 groups × 1 ranks: a layout change "
+        "keeps counting optimizer steps, so it needs --max_steps"
+    )
+    assert result.stdout.count(line) == 2, result.stdout[-3000:]

@@ -181,9 +181,39 @@ def model_fingerprint(model: nn.Module) -> dict[str, Any]:
     }
 
 
+def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any] | None:
+    """What must match in the tokenizer: its class, vocabulary size and a hash of every token and id (``None``
+    for a processing class without a vocabulary). The model's shapes only see the vocabulary's size."""
+    vocab = getattr(tokenizer, "get_vocab", None)
+    if vocab is None:
+        return None
+    items = sorted(vocab().items(), key=lambda item: item[1])
+    return {
+        "class": type(tokenizer).__name__,
+        "tokens": len(items),
+        "vocab_sha256": hashlib.sha256(repr(items).encode()).hexdigest()[:16],
+    }
+
+
+def check_tokenizer_matches(checkpoint: str, current: dict[str, Any] | None) -> None:
+    """Refuse a checkpoint whose recorded tokenizer differs from this run's (one line, no collective)."""
+    path = os.path.join(checkpoint, FED_LAYOUT_NAME)
+    if current is None or not os.path.isfile(path):
+        return
+    with open(path) as f:
+        saved = json.load(f).get("tokenizer")
+    if saved is not None and saved != current:
+        raise ConfigError(
+            f"resume_from_checkpoint={checkpoint} was trained with another tokenizer: {saved['class']} with "
+            f"{saved['tokens']:,} tokens (vocabulary {saved['vocab_sha256']}), but this run has {current['class']} "
+            f"with {current['tokens']:,} (vocabulary {current['vocab_sha256']}). Load the tokenizer saved with "
+            "the run, or use another output_dir."
+        )
+
+
 def layout_record(layout: FederationLayout, model: nn.Module, data: dict[str, int]) -> dict[str, Any]:
-    """The content of ``fed_layout.json``: the layout, the model, and the data arithmetic of a step (``data``:
-    ``samples_per_step`` and ``steps_per_epoch``, for a resume on another layout)."""
+    """The content of ``fed_layout.json``: the layout, the model, and what the run read (``data``: a step's
+    ``samples_per_step`` and ``steps_per_epoch``, for a resume on another layout, and the ``tokenizer``)."""
     return {
         "method": layout.method,
         "world_size": layout.world_size,

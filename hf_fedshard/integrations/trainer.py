@@ -24,6 +24,7 @@ from hf_fedshard.checkpointing.averaging_state import load_averaging_state, read
 from hf_fedshard.checkpointing.checkpoint import (
     atomic_checkpoint,
     check_resumable,
+    check_tokenizer_matches,
     group_dir,
     latest_complete_checkpoint,
     load_group_model,
@@ -31,6 +32,7 @@ from hf_fedshard.checkpointing.checkpoint import (
     reading,
     save_group_model,
     save_group_optimizer,
+    tokenizer_fingerprint,
     write_layout_record,
 )
 from hf_fedshard.checkpointing.reshard import (
@@ -265,6 +267,7 @@ class FedShardMixin(Trainer):
             resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
         if isinstance(resume_from_checkpoint, str):
             check_resumable(resume_from_checkpoint, layout, self.model)  # one group refuses federated ones
+            check_tokenizer_matches(resume_from_checkpoint, tokenizer_fingerprint(self.processing_class))
             self._layout_change = layout_change(resume_from_checkpoint, layout) if self.fed_callback else None
             self._check_layout_change(resume_from_checkpoint)
             if auto and self.args.should_log:
@@ -448,7 +451,8 @@ class FedShardMixin(Trainer):
         layout = self.args.fed_launch_layout
         save_averaging_state(checkpoint, layout, self.args.process_index, state, self.model, self._group_pg)
         if self.args.should_save:
-            write_layout_record(checkpoint, layout, self.model, self._data_arithmetic)
+            read = {**self._data_arithmetic, "tokenizer": tokenizer_fingerprint(self.processing_class)}
+            write_layout_record(checkpoint, layout, self.model, read)
             config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
             if config is not None:
                 config.save_pretrained(checkpoint)
@@ -504,7 +508,8 @@ class FedShardMixin(Trainer):
             self.lr_scheduler.load_state_dict(self._peer_state["scheduler"])
             self._peer_state = None
             return
-        directory = os.path.join(group_dir(checkpoint, self._group_index), "optimizer")
+        group = 0 if self._layout_change is not None else self._group_index  # another layout: group 0 is there
+        directory = os.path.join(group_dir(checkpoint, group), "optimizer")
         if not os.path.isdir(directory):
             return
         load_on_every_rank(checkpoint, lambda: self._load_group_optimizer_and_scheduler(checkpoint, directory))

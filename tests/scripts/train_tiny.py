@@ -280,7 +280,9 @@ def full_of(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return local.detach().clone()
     spec = {"shape": param.shape, "stride": param.stride(), "run_check": False}
-    return DTensor.from_local(local, param.device_mesh, param.placements, **spec).full_tensor()
+    return (
+        DTensor.from_local(local, param.device_mesh, param.placements, **spec).full_tensor().clone()
+    )  # 1 rank: a view
 
 
 class ExportMidTraining(TrainerCallback):
