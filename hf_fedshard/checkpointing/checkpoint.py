@@ -125,7 +125,15 @@ def reading(path: str) -> Iterator[None]:
     try:
         yield
     except (Exception, CheckpointException) as err:
-        raise CheckpointReadError(f"cannot read {path} ({type(err).__name__}: {err})") from err
+        raise CheckpointReadError(f"cannot read {path} ({_one_line(err)})") from err
+
+
+def _one_line(err: BaseException) -> str:
+    """What went wrong, on one line: DCP's exception carries every failed rank's traceback; keep their errors."""
+    if isinstance(err, CheckpointException):
+        causes = sorted({f"{type(exc).__name__}: {exc}" for exc, _ in err.failures.values()})
+        return " ".join(f"rank(s) {sorted(err.failures)}: {'; '.join(causes)}".split())
+    return " ".join(f"{type(err).__name__}: {err}".split())
 
 
 def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
