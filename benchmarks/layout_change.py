@@ -226,6 +226,7 @@ def summarize(source: dict, resumes: list[dict], cfg: dict) -> dict:
         rows.append({
             "layout": run["layout"], "label": run["label"], "role": role, "world": run["world"],
             "world_batch_samples": run["world_batch_samples"],
+            "group_batch_samples": run["world_batch_samples"] // run["groups"],
             "tokens_per_step": run["world_batch_samples"] * cfg["block_size"],
             "first_window_train_loss": loss, "loss_bump": loss - ref_loss,
             "eval_ppl_at_resume": eval_at(run, s), "eval_ppl_after_window": eval_at(run, s + h),
@@ -241,6 +242,9 @@ def markdown(results: dict) -> str:
     s, h, t = cfg["save_step"], cfg["sync_steps"], cfg["steps"]
     ref = next(r for r in summary["rows"] if r["role"] == "resume" and r["layout"] == summary["reference"])
     layout = Layout.parse(cfg["source"])
+    head = ["resumed on", "ranks", "world batch (samples/step)", "group batch", f"train loss, steps {s + 1}–{s + h} "
+            "(mean)", "loss bump", f"eval ppl at {s} (resumed model)", f"at {s + h}", f"at {t}", f"at {t} ÷ unchanged",
+            f"tokens read by {t} (M)", "run time (s)"]  # fmt: skip
     lines = [
         f"Source: {layout.describe()}, Llama `{cfg['model_size']}`, per-device "
         f"batch {cfg['batch_size']} × {cfg['block_size']} tokens, constant lr {cfg['learning_rate']:g} (AdamW), "
@@ -248,26 +252,24 @@ def markdown(results: dict) -> str:
         f"eval perplexity of the global model on {cfg['eval_samples']} held-out blocks every {h} steps; seed "
         f"{cfg['seed']}. The step count (and the LR schedule with it) is kept and the per-device batch too, so the "
         "world batch per step changes with the number of ranks: a layout of half the ranks (2 × 2 against 4 × 2) "
-        "reads half the tokens per step, and by step T has read fewer tokens in all (last column). Loss bump: the "
+        "reads half the tokens per step, and by step T has read fewer tokens in all; the group batch (what one inner "
+        "step of a group averages over) changes with the group size only. Loss bump: the "
         f"mean train loss of steps {s + 1}–{s + h} less the unchanged-layout resume's ({ref['label']}); the source's "
         "own continuation (not interrupted) is the last row, against the same reference. The source's eval "
         f"perplexity at step {s}: {_f(summary['source_eval_ppl_at_save'])}.",
         "",
-        f"| resumed on | ranks | world batch (samples/step) | train loss, steps {s + 1}–{s + h} (mean) | loss bump | "
-        f"eval ppl at {s} (resumed model) | at {s + h} | at {t} | at {t} ÷ unchanged | tokens read by {t} (M) | "
-        "run time (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| " + " | ".join(head) + " |",
+        "|---|" + "---:|" * (len(head) - 1),
     ]
     for r in summary["rows"]:
         name = r["label"] + (" (unchanged)" if r is ref else "")
         if r["role"] != "resume":
             name = f"source ({r['label']}), not interrupted"
-        lines.append(
-            f"| {name} | {r['world']} | {r['world_batch_samples']} | {r['first_window_train_loss']:.3f} | "
-            f"{r['loss_bump']:+.3f} | {_f(r['eval_ppl_at_resume'])} | {_f(r['eval_ppl_after_window'])} | "
-            f"{_f(r['eval_ppl_final'])} | {_f(r['final_ppl_vs_unchanged'], '.3f')} | "
-            f"{r['tokens_read_final'] / 1e6:.2f} | {r['wall_s']:.0f} |"
-        )
+        cells = [name, r["world"], r["world_batch_samples"], r["group_batch_samples"],
+                 f"{r['first_window_train_loss']:.3f}", f"{r['loss_bump']:+.3f}", _f(r["eval_ppl_at_resume"]),
+                 _f(r["eval_ppl_after_window"]), _f(r["eval_ppl_final"]), _f(r["final_ppl_vs_unchanged"], ".3f"),
+                 f"{r['tokens_read_final'] / 1e6:.2f}", f"{r['wall_s']:.0f}"]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "Start-up lines of the resumes (the unchanged layout is Trainer's ordinary resume: it logs none):"]
     lines.append("")
     for r in summary["rows"]:

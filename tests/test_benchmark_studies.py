@@ -479,7 +479,7 @@ def test_layout_change_measures_the_bump_against_the_unchanged_resume(tmp_path):
     half, unchanged = rows[("2x2", "resume")], rows[("4x2", "resume")]
     assert (unchanged["first_window_train_loss"], unchanged["loss_bump"]) == (5.75, 0.0)
     assert (half["first_window_train_loss"], half["loss_bump"]) == (6.25, 0.5)
-    assert rows[("2x4s2", "resume")]["loss_bump"] == 0.25
+    assert rows[("2x4s2", "resume")]["loss_bump"] == 0.25 and rows[("2x4s2", "resume")]["group_batch_samples"] == 16
     assert rows[("4x2", "source, not interrupted")]["loss_bump"] == 0.0  # the resume was exact
     assert half["eval_ppl_at_resume"] == math.exp(6.0) and half["eval_ppl_after_window"] == math.exp(6.0)
     assert half["final_ppl_vs_unchanged"] == pytest.approx(math.exp(0.5))
@@ -490,9 +490,9 @@ def test_layout_change_measures_the_bump_against_the_unchanged_resume(tmp_path):
 
     results = {"config": LC_CONFIG, "runs": runs, "summary": summary}
     table = lc.markdown(results)
-    assert "| 2 × 2 | 4 | 16 | 6.250 | +0.500 | 403.4 | 403.4 | 244.7 | 1.649 | 0.02 | 10 |" in table
-    assert "| 4 × 2 (unchanged) | 8 | 32 | 5.750 | +0.000 |" in table
-    assert "| source (4 × 2), not interrupted | 8 | 32 | 5.750 | +0.000 |" in table
+    assert "| 2 × 2 | 4 | 16 | 8 | 6.250 | +0.500 | 403.4 | 403.4 | 244.7 | 1.649 | 0.02 | 10 |" in table
+    assert "| 4 × 2 (unchanged) | 8 | 32 | 8 | 5.750 | +0.000 |" in table
+    assert "| source (4 × 2), not interrupted | 8 | 32 | 8 | 5.750 | +0.000 |" in table
     assert "- 2 × 2: `hf_fedshard: resuming step 4 of FL+FSDP, 4 groups × 2 ranks on" in table
     assert "- FL+HSDP 2 × (2 × 2): `no start-up line found in its output`" in table
     assert lc.plot(results, tmp_path).read_bytes()[:4] == b"\x89PNG"
@@ -523,5 +523,5 @@ def test_layout_change_study_runs_on_localhost(tmp_path):
         "hf_fedshard: resuming step 2 of FL+FSDP, 2 groups × 1 ranks on FL+FSDP, 3 groups × 1 ranks"
     )
     assert "the model is group 0's" in rows[("2x2s1", "resume")]["start_line"]
-    assert "| 3 × 1 | 3 | 12 |" in (out / "results.md").read_text()
+    assert "| 3 × 1 | 3 | 12 | 4 |" in (out / "results.md").read_text()
     assert (out / "layout_change.png").read_bytes()[:4] == b"\x89PNG"
