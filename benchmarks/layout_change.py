@@ -196,6 +196,14 @@ def eval_at(run: dict, step: int) -> float | None:
     return next((math.exp(loss) for s, loss in run["evals"] if s == step), None)
 
 
+def check_resumed(run: dict, step: int) -> None:
+    """A resume's first evaluation (``--eval_on_start``) is at ``step``; one at step 0 means it trained from scratch."""
+    first = run["evals"][0][0] if run["evals"] else None
+    if first != step:
+        raise ValueError(f"the resume on {run['layout']} evaluated first at step {first}, not at {step}: it did not "
+                         "start from the checkpoint (does the script pass --resume_from_checkpoint on?).")  # fmt: skip
+
+
 def window_loss(run: dict, first: int, last: int) -> float:
     """Mean train loss over steps ``first``..``last`` (logged every step)."""
     losses = [loss for step, loss in run["train_loss"] if first <= step <= last]
@@ -218,6 +226,8 @@ def summarize(source: dict, resumes: list[dict], cfg: dict) -> dict:
     at S, S + H and T (and its ratio to the unchanged resume's), the tokens read; the source's own continuation
     beside them (what the unchanged resume would be if resuming were exact)."""
     s, h, t = cfg["save_step"], cfg["sync_steps"], cfg["steps"]
+    for run in resumes:
+        check_resumed(run, s)
     reference = next(r for r in resumes if r["layout"] == Layout.parse(cfg["source"]).key)
     ref_loss, ref_final = window_loss(reference, s + 1, s + h), eval_at(reference, t)
     rows = []
@@ -388,6 +398,7 @@ def run_study(cfg: LayoutChangeConfig, data: Path, work: Path) -> dict:
         layout = Layout.parse(spec)
         run_dir = work / f"resume-{layout.key}"
         resumes.append(train(cfg, "resume", layout, run_args(cfg, layout, checkpoint), data, run_dir))
+        check_resumed(resumes[-1], cfg.save_step)
     return {"source": source, "resumes": resumes}
 
 

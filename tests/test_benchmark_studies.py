@@ -485,6 +485,9 @@ def test_layout_change_measures_the_bump_against_the_unchanged_resume(tmp_path):
     assert half["final_ppl_vs_unchanged"] == pytest.approx(math.exp(0.5))
     assert half["tokens_read_final"] == (4 * 32 + 4 * 16) * 128  # the source's batch to S, then half of it
     assert unchanged["tokens_read_final"] == 8 * 32 * 128 and half["world_batch_samples"] == 16
+    scratch = {**runs["resumes"][1], "evals": [[0, 9.0], *runs["resumes"][1]["evals"]]}  # trained from step 0
+    with pytest.raises(ValueError, match="the resume on 2x2 evaluated first at step 0, not at 4"):
+        lc.summarize(runs["source"], [runs["resumes"][0], scratch], LC_CONFIG)
     with pytest.raises(ValueError, match="2x2: 1 train losses logged in steps 5–6; expected one per step"):
         lc.window_loss({**runs["resumes"][1], "train_loss": [[5, 6.5]]}, 5, 6)
 
