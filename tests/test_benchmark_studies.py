@@ -1,8 +1,9 @@
 """The scaling, quality, overlap and time-to-quality studies' arithmetic (no cluster, no training): run shapes,
 spreads, the √-lr rule, the three-tier report's predictions and targets, the overlap targets on medians over
 repetitions, the time-to-quality curves (interpolation, time to reach, the budget stop without evaluation time), and
-the goodput study's fault schedule and committed group-steps; then, as root with iproute2, the time-to-quality and
-goodput studies end to end on a tiny emulated cluster, and the elastic demo on localhost."""
+the goodput study's fault schedule and committed group-steps, the layout-change study's loss bump; then, as root with
+iproute2, the time-to-quality and goodput studies end to end on a tiny emulated cluster, and the elastic demo and the
+layout-change study on localhost."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from transformers import TrainerControl, TrainerState
 
 from benchmarks import goodput, overlap, quality, scaling
+from benchmarks import layout_change as lc
 from benchmarks import time_to_quality as ttq
 from benchmarks.harness import RESULTS, bench_train, faults, progress, results_folder
 from benchmarks.harness.netns import list_namespaces
@@ -410,3 +413,118 @@ def test_elastic_demo_tells_its_story(tmp_path):
     assert "group 1 KILLED (SIGKILL to torchrun and its workers" in proc.stdout
     assert re.search(r"group 1 healed from a live group: resumes training at step \d+", proc.stdout)
     assert "averaging at step 128: groups [0 1 2]" in proc.stdout and "OK: group 1 rejoined" in proc.stdout
+
+
+# ---- layout_change.py: a checkpoint resumed on other layouts, the loss bump against the unchanged layout ----
+
+LC_CONFIG = {"source": "4x2", "layouts": ["4x2", "2x2", "2x4s2"], "model_size": "micro", "batch_size": 4,
+             "block_size": 128, "steps": 8, "save_step": 4, "sync_steps": 2, "learning_rate": 2e-3, "eval_samples": 8,
+             "max_train_lines": None, "seed": 0, "timeout_s": 60.0}  # fmt: skip
+
+
+def lc_run(layout: str, losses: dict[int, float], evals: dict[int, float], line: str | None = None) -> dict:
+    """What `layout_change.train` keeps of a run; a resume's log history holds the source's losses up to S too."""
+    shape = lc.Layout.parse(layout)
+    return {"layout": layout, "label": shape.label, "world": shape.world, "groups": shape.groups,
+            "group_size": shape.group_size, "shard_size": shape.shard_size or shape.group_size,
+            "world_batch_samples": shape.world * 4, "wall_s": 10.0, "start_line": line,
+            "train_loss": sorted(losses.items()), "evals": sorted(evals.items())}  # fmt: skip
+
+
+def lc_runs() -> dict:
+    """Losses are binary fractions, so the means below are exact. Every resume starts from the source's step-4 model
+    (eval loss 6 at step 4); 2 × 2 bumps by +0.5 over steps 5–6, FL+HSDP by +0.25."""
+    before = {1: 8.0, 2: 7.5, 3: 7.0, 4: 6.5}
+    source = lc_run("4x2", {**before, 5: 6.0, 6: 5.5, 7: 5.0, 8: 4.5}, {0: 9.0, 2: 7.0, 4: 6.0, 6: 5.5, 8: 5.0})
+    unchanged = lc_run("4x2", {**before, 5: 6.0, 6: 5.5, 7: 5.0, 8: 4.5}, {4: 6.0, 6: 5.5, 8: 5.0})
+    line = "hf_fedshard: resuming step 4 of FL+FSDP, 4 groups × 2 ranks on FL+FSDP, 2 groups × 2 ranks: the model is"
+    half = lc_run("2x2", {**before, 5: 6.5, 6: 6.0, 7: 5.5, 8: 5.0}, {4: 6.0, 6: 6.0, 8: 5.5}, line)
+    hsdp = lc_run("2x4s2", {**before, 5: 6.25, 6: 5.75, 7: 5.0, 8: 4.5}, {4: 6.0, 6: 5.75, 8: 5.0})
+    return {"source": source, "resumes": [unchanged, half, hsdp]}
+
+
+def test_layout_change_layouts_parse_and_map_to_arguments():
+    hsdp = lc.Layout.parse("2x4s2")
+    assert (hsdp.world, hsdp.key, hsdp.label) == (8, "2x4s2", "FL+HSDP 2 × (2 × 2)")
+    assert hsdp.args() == ["--fed_group_size", "4", "--fed_shard_size", "2"]
+    assert lc.Layout.parse("3x2").args() == ["--fed_group_size", "2"] and lc.Layout.parse("2x4s4").key == "2x4"
+    for spec in ("4by2", "1x8", "2x4s3"):
+        with pytest.raises(ValueError, match=re.escape(f"layout {spec!r}")):
+            lc.Layout.parse(spec)
+    cfg = lc.config_from_args(lc.make_parser().parse_args(["--quick"]))
+    assert (cfg.model_size, cfg.steps, cfg.save_step, cfg.layouts) == ("micro", 32, 16, lc.QUICK_LAYOUTS)
+    args = lc.run_args(cfg, lc.Layout.parse("3x2"), Path("/ckpt/checkpoint-16"))
+    assert args[args.index("--resume_from_checkpoint") + 1] == "/ckpt/checkpoint-16"
+    assert args[args.index("--per_device_eval_batch_size") + 1] == "16"  # 96 held-out blocks over 6 ranks
+    assert args[args.index("--save_strategy") + 1] == "no" and args[args.index("--max_steps") + 1] == "32"
+    source = lc.run_args(cfg, lc.Layout.parse("4x2"), None)
+    assert source[source.index("--save_steps") + 1] == "16" and "--resume_from_checkpoint" not in source
+
+
+def test_layout_change_refuses_a_study_it_could_not_measure():
+    with pytest.raises(ValueError, match="must hold the source's own layout 4x2"):
+        lc.LayoutChangeConfig(layouts=("2x2", "3x2")).validate()
+    with pytest.raises(ValueError, match="must be multiples of H=8"):
+        lc.LayoutChangeConfig(steps=96, save_step=44).validate()
+    worlds = re.escape("--eval-samples=64 must be a multiple of every world size [4, 6, 8]")
+    with pytest.raises(ValueError, match=worlds):
+        lc.LayoutChangeConfig(eval_samples=64).validate()
+
+
+def test_layout_change_measures_the_bump_against_the_unchanged_resume(tmp_path):
+    runs = lc_runs()
+    summary = lc.summarize(runs["source"], runs["resumes"], LC_CONFIG)
+    rows = {(r["layout"], r["role"]): r for r in summary["rows"]}
+    assert summary["reference"] == "4x2" and summary["source_eval_ppl_at_save"] == math.exp(6.0)
+    half, unchanged = rows[("2x2", "resume")], rows[("4x2", "resume")]
+    assert (unchanged["first_window_train_loss"], unchanged["loss_bump"]) == (5.75, 0.0)
+    assert (half["first_window_train_loss"], half["loss_bump"]) == (6.25, 0.5)
+    assert rows[("2x4s2", "resume")]["loss_bump"] == 0.25 and rows[("2x4s2", "resume")]["group_batch_samples"] == 16
+    assert rows[("4x2", "source, not interrupted")]["loss_bump"] == 0.0  # the resume was exact
+    assert half["eval_ppl_at_resume"] == math.exp(6.0) and half["eval_ppl_after_window"] == math.exp(6.0)
+    assert half["final_ppl_vs_unchanged"] == pytest.approx(math.exp(0.5))
+    assert half["tokens_read_final"] == (4 * 32 + 4 * 16) * 128  # the source's batch to S, then half of it
+    assert unchanged["tokens_read_final"] == 8 * 32 * 128 and half["world_batch_samples"] == 16
+    scratch = {**runs["resumes"][1], "evals": [[0, 9.0], *runs["resumes"][1]["evals"]]}  # trained from step 0
+    with pytest.raises(ValueError, match="the resume on 2x2 evaluated first at step 0, not at 4"):
+        lc.summarize(runs["source"], [runs["resumes"][0], scratch], LC_CONFIG)
+    with pytest.raises(ValueError, match="2x2: 1 train losses logged in steps 5–6; expected one per step"):
+        lc.window_loss({**runs["resumes"][1], "train_loss": [[5, 6.5]]}, 5, 6)
+
+    results = {"config": LC_CONFIG, "runs": runs, "summary": summary}
+    table = lc.markdown(results)
+    assert "| 2 × 2 | 4 | 16 | 8 | 6.250 | +0.500 | 403.4 | 403.4 | 244.7 | 1.649 | 0.02 | 10 |" in table
+    assert "| 4 × 2 (unchanged) | 8 | 32 | 8 | 5.750 | +0.000 |" in table
+    assert "| source (4 × 2), not interrupted | 8 | 32 | 8 | 5.750 | +0.000 |" in table
+    assert "- 2 × 2: `hf_fedshard: resuming step 4 of FL+FSDP, 4 groups × 2 ranks on" in table
+    assert "- FL+HSDP 2 × (2 × 2): `no start-up line found in its output`" in table
+    assert lc.plot(results, tmp_path).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_layout_change_study_runs_on_localhost(tmp_path):
+    """The study as users run it, shrunk (micro, 2 groups × 1 rank, T = 4, S = 2, H = 2): checkpoint-2 resumed on its
+    own layout, on 3 × 1 and on FL+HSDP 2 × (2 × 1); every resume starts from the source's global model at S, the
+    changed layouts say so in their start-up line, and the results, table and plot are written."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "benchmarks/layout_change.py", "--source", "2x1", "--layouts", "2x1", "3x1", "2x2s1",
+           "--model-size", "micro", "--steps", "4", "--save-step", "2", "--sync-steps", "2", "--eval-samples", "12",
+           "--max-train-lines", "3000", "--out", str(out), "--data-cache", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    rows = {(r["layout"], r["role"]): r for r in results["summary"]["rows"]}
+    at_save = results["summary"]["source_eval_ppl_at_save"]
+    for layout in ("2x1", "3x1", "2x2s1"):
+        row = rows[(layout, "resume")]
+        assert row["eval_ppl_at_resume"] == pytest.approx(at_save, rel=1e-4), layout  # the same global model
+        assert row["eval_ppl_final"] is not None and row["world_batch_samples"] == 4 * lc.Layout.parse(layout).world
+    assert rows[("2x1", "resume")]["start_line"] is None and rows[("2x1", "resume")]["loss_bump"] == 0
+    assert rows[("3x1", "resume")]["start_line"].startswith(
+        "hf_fedshard: resuming step 2 of FL+FSDP, 2 groups × 1 ranks on FL+FSDP, 3 groups × 1 ranks"
+    )
+    assert "the model is group 0's" in rows[("2x2s1", "resume")]["start_line"]
+    assert "| 3 × 1 | 3 | 12 | 4 |" in (out / "results.md").read_text()
+    assert (out / "layout_change.png").read_bytes()[:4] == b"\x89PNG"

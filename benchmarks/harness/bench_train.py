@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     if bench.progress_log:  # last: its averaging events follow the averaging
         fed_metrics = trainer.fed_callback.metrics if trainer.fed_callback is not None else dict
         trainer.add_callback(ProgressLog(bench.progress_log, args.fed_sync_steps, fed_metrics))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # as the recipes do: Trainer ignores the field
     fed = trainer.fed_callback.metrics() if trainer.fed_callback is not None and not bench.no_averaging else {}
     record = {
         "rank": args.process_index,

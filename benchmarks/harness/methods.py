@@ -5,7 +5,8 @@ variants of ``report.VARIANTS``, each as bench_train.py arguments (`method_args`
 shares (`shared_args`); `benchmark` builds the cluster a `BenchConfig` describes, runs the chosen methods one after
 the other with the real multi-node launcher, and returns every figure (`report.summarize`) with the machine's
 load around each method. Used by benchmarks/tiers.py, scaling.py and overlap.py; time_to_quality.py runs its own
-methods and settings through `run_methods`; quality.py and outer_lr_sweep.py take the data and shared arguments only.
+methods and settings through `run_methods`; quality.py and outer_lr_sweep.py take the data and shared arguments only,
+layout_change.py the data only.
 """
 
 from __future__ import annotations
