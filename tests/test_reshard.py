@@ -15,11 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_fedshard import FederatedAverager
 from hf_fedshard.checkpointing.reshard import DataPosition, LayoutChange, data_position
 from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat
 from hf_fedshard.transports.mesh import FederationLayout
 
+from .fake_communicator import run_federation
 from .launch import SCRIPTS, SGD, torchrun
+from .test_engine import build, train_step
 from .test_reliability import ADAMW, read_dcp
 
 SOURCE = ["--fed_group_size", "2", "--fed_sync_steps", "4", "--max_steps", "6", "--save_strategy", "steps",
@@ -62,6 +65,59 @@ def test_outer_state_by_parameter_is_cut_at_this_averagers_fragments():
     assert second["optimizer"]["param_groups"][0]["lr"] == 0.7
     optimizers[1].load_state_dict(second)
     assert torch.equal(optimizers[1].anchor[2], anchors[4])
+
+
+def test_an_exchange_in_flight_is_dropped_and_the_next_delta_covers_both_windows():
+    """3 groups (H = 4, τ = 1, Nesterov) stop at step 4 with step 4's exchange in flight; 2 groups resume from the
+    plain mean of their models and the anchor as the layout change reads it (by parameter, nothing in flight):
+    step 5 applies nothing, and step 8's exchange sends Δ = the anchor of step 0 − each group's model."""
+    options = {"sync_steps": 4, "sync_overlap": 1, "outer_optimizer": "nesterov"}
+
+    def old_group(comm):
+        model, optimizer = build(comm.group)
+        averager = FederatedAverager(model, optimizer, communicator=comm, **options)
+        for step in range(1, 5):
+            train_step(model, optimizer, comm.group, step)
+            averager.step()
+        state = averager.state_dict()
+        assert state["in_flight"] is not None
+        return [t.detach().clone() for t in model.parameters()], state
+
+    old = run_federation(3, old_group)
+    mean = [sum(ts[i] for ts, _ in old) / 3 for i in range(len(old[0][0]))]
+    anchor = [a.clone() for f in old[0][1]["outer"]["fragments"] for a in f["anchor"]]
+    resharded = {"counters": old[0][1]["counters"], "in_flight": None, "step": 4,
+                 "outer": {"anchor": anchor, "momentum": [None] * len(anchor)}}  # fmt: skip
+
+    def new_group(comm):
+        model, optimizer = build(comm.group + 10)
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), mean, strict=True):
+                p.copy_(value)
+        averager = FederatedAverager(model, optimizer, communicator=comm, average_initial_weights=False, **options)
+        averager.load_state_dict(resharded)
+        sent = []
+        mean_of = averager.exchange.mean
+
+        def record(tensors, contributors):  # what the exchange sends: each group's Δ
+            sent.append([t.clone() for t in tensors])
+            return mean_of(tensors, contributors)
+
+        averager.exchange.mean = record
+        changed = []
+        for step in range(5, 9):
+            train_step(model, optimizer, comm.group, step)
+            before = [p.detach().clone() for p in model.parameters()]
+            averager.step()
+            changed.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)))
+        local = [p.detach().clone() for p in model.parameters()]
+        averager.finish()
+        return changed, sent[0], local
+
+    for changed, deltas, local in run_federation(2, new_group):
+        assert changed == [False, False, False, False]  # step 5 applies nothing; step 8's exchange is in flight
+        for delta, a, p in zip(deltas, anchor, local, strict=True):  # Δ taken at step 8 against step 0's anchor
+            assert torch.equal(delta, a - p.float())
 
 
 @pytest.fixture(scope="module")
