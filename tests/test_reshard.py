@@ -9,6 +9,7 @@ of the groups' AdamW moments, the LR schedule's step, and the samples each rank 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -16,9 +17,8 @@ import pytest
 import torch
 
 from hf_fedshard import FederatedAverager
-from hf_fedshard.checkpointing.reshard import DataPosition, LayoutChange, data_position
+from hf_fedshard.checkpointing.reshard import DataPosition, data_position
 from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat
-from hf_fedshard.transports.mesh import FederationLayout
 
 from .fake_communicator import run_federation
 from .launch import SCRIPTS, SGD, torchrun
@@ -30,9 +30,7 @@ SOURCE = ["--fed_group_size", "2", "--fed_sync_steps", "4", "--max_steps", "6", 
 BATCH = 2  # per device (tests.launch.SGD)
 
 
-def change(step: int, samples_per_step: int = 8, steps_per_epoch: int = 8) -> LayoutChange:
-    saved = {"samples_per_step": samples_per_step, "steps_per_epoch": steps_per_epoch, "num_groups": 2}
-    return LayoutChange("checkpoint", saved, step, FederationLayout(3, 1))
+SAVED = {"samples_per_step": 8, "steps_per_epoch": 8, "num_groups": 2}  # a record of an earlier layout
 
 
 @pytest.mark.parametrize(
@@ -47,7 +45,14 @@ def change(step: int, samples_per_step: int = 8, steps_per_epoch: int = 8) -> La
 def test_the_data_resumes_after_the_samples_read_rounded_up_to_new_steps(
     step, new_batch, new_steps_per_epoch, position
 ):
-    assert data_position(change(step), new_batch, new_steps_per_epoch) == position
+    assert data_position(SAVED, step, new_batch, new_steps_per_epoch) == position
+
+
+def test_a_recorded_epoch_position_wins_over_the_step():
+    """Written after a layout change (3 steps of 6 covered epoch 0's first 16 samples, then 2 more steps): step 4
+    says 24 samples, the record 30; resumed on the same layout, 5 steps of 6."""
+    saved = {**SAVED, "samples_per_step": 6, "steps_per_epoch": 10, "epoch": 0, "epoch_samples": 30}
+    assert data_position(saved, 4, 6, 10) == DataPosition(0, 30, 5, 0)
 
 
 def test_outer_state_by_parameter_is_cut_at_this_averagers_fragments():
@@ -193,6 +198,8 @@ def test_between_averagings_resumes_on_three_groups_of_one(source, tmp_path):
     ), line
     assert "world batch goes from 8 to 6 samples per step; epoch 0 resumes after its first 16 samples (3 steps" in line
     assert "2 samples in between are not read in this epoch" in line
+    record = json.loads((tmp_path / "checkpoint-4" / "fed_layout.json").read_text())  # written on 3 × 1
+    assert (record["epoch"], record["epoch_samples"]) == (0, 30)  # 18 covered at the resume + 2 steps of 6
     for r in runs[1:]:  # the run ends on one global model
         assert all(torch.equal(v, runs[0]["full_params"][n]) for n, v in r["full_params"].items())
     assert runs[0]["fed_counters"]["syncs"] == 3  # step 0's, step 4's and the end's

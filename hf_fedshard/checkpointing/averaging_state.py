@@ -88,8 +88,8 @@ def load_outer_state(checkpoint: str, model: nn.Module, group: ProcessGroup, pos
     }
     with reading(directory):
         dcp.load(state, checkpoint_id=directory, process_group=group)
-    return {
-        ANCHOR: [_local(state[ANCHOR][name]) for name, _ in named],
+    return {  # held on the CPU until the averager copies them into its own anchors (their device)
+        ANCHOR: [_local(state[ANCHOR][name]).cpu() for name, _ in named],
         MOMENTUM: [
             _local(state[MOMENTUM][name]) if m is not None else None
             for (name, _), m in zip(named, momenta, strict=True)
@@ -163,8 +163,9 @@ def load_averaging_state(
     """`save_averaging_state`'s files as rank ``rank``'s `FederatedAverager.state_dict` (without ``step``, which
     the Trainer's state holds); every rank of ``group`` (its group) must call it."""
     index = layout.group_index(rank)
+    outer = load_outer_state(checkpoint, model, group, layout.position(rank))  # the group's collective comes first
     return {
         "counters": read_counters(checkpoint, index, rank),
         "in_flight": load_in_flight_state(checkpoint, index, rank, local_device(next(model.parameters()))),
-        "outer": load_outer_state(checkpoint, model, group, layout.position(rank)),
+        "outer": outer,
     }

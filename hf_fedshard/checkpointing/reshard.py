@@ -67,20 +67,37 @@ class LayoutChange:
         return f"{layout.method}, {layout.num_groups} groups × {layout.group_size} ranks{shards}"
 
 
-def layout_change(checkpoint: str, layout: FederationLayout) -> LayoutChange | None:
-    """The change from ``checkpoint``'s layout to ``layout``, or ``None`` where they match (or nothing is recorded)."""
+def layout_record(checkpoint: str) -> dict | None:
+    """``checkpoint``'s ``fed_layout.json``, or ``None`` for a checkpoint without one."""
     path = os.path.join(checkpoint, FED_LAYOUT_NAME)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        saved = json.load(f)
-    then = (saved["world_size"], saved["fed_group_size"], saved["fed_shard_size"])
-    if then == (layout.world_size, layout.group_size, layout.shard_size):
+    with reading(path), open(path) as f:
+        return json.load(f)
+
+
+def checkpoint_step(checkpoint: str) -> int:
+    """The optimizer step ``checkpoint`` was written at (its ``trainer_state.json``)."""
+    path = os.path.join(checkpoint, TRAINER_STATE_NAME)
+    with reading(path), open(path) as f:
+        return int(json.load(f)["global_step"])
+
+
+def changes_layout(saved: dict | None, layout: FederationLayout) -> bool:
+    """Whether a checkpoint's record (``fed_layout.json``) is of another world, group or shard size."""
+    if saved is None:
+        return False
+    return (saved["world_size"], saved["fed_group_size"], saved["fed_shard_size"]) != (
+        layout.world_size, layout.group_size, layout.shard_size,
+    )  # fmt: skip
+
+
+def layout_change(checkpoint: str, layout: FederationLayout) -> LayoutChange | None:
+    """The change from ``checkpoint``'s layout to ``layout``, or ``None`` where they match (or nothing is recorded)."""
+    saved = layout_record(checkpoint)
+    if not changes_layout(saved, layout):
         return None
-    state = os.path.join(checkpoint, TRAINER_STATE_NAME)
-    with reading(state), open(state) as f:
-        step = int(json.load(f)["global_step"])
-    return LayoutChange(checkpoint, saved, step, layout)
+    return LayoutChange(checkpoint, saved, checkpoint_step(checkpoint), layout)
 
 
 def groups_held_global_model(change: LayoutChange) -> bool:
@@ -163,11 +180,17 @@ class DataPosition:
         )
 
 
-def data_position(change: LayoutChange, samples_per_step: int, steps_per_epoch: int) -> DataPosition:
-    """The resumed epoch, and the new layout's steps that cover what the old one read of it (rounded up)."""
-    old_steps_per_epoch = int(change.saved["steps_per_epoch"])
-    epoch, done = divmod(change.step, old_steps_per_epoch)
-    consumed = done * int(change.saved["samples_per_step"])
+def data_position(saved: dict, step: int, samples_per_step: int, steps_per_epoch: int) -> DataPosition:
+    """The resumed epoch, and this layout's steps that cover what the checkpoint's run read of it (rounded up).
+
+    The record's ``epoch`` and ``epoch_samples`` say where the run was; a record without them (a run that never
+    changed layout) is placed by its step: epoch = step // steps per epoch, as Trainer does.
+    """
+    if "epoch_samples" in saved:
+        epoch, consumed = int(saved["epoch"]), int(saved["epoch_samples"])
+    else:
+        epoch, done = divmod(step, int(saved["steps_per_epoch"]))
+        consumed = done * int(saved["samples_per_step"])
     steps = math.ceil(consumed / samples_per_step)
     if steps >= steps_per_epoch:  # what remains of the epoch is less than one step of the new layout
         return DataPosition(epoch + 1, 0, 0, 0)

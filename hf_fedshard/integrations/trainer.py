@@ -38,9 +38,11 @@ from hf_fedshard.checkpointing.checkpoint import (
 from hf_fedshard.checkpointing.reshard import (
     DataPosition,
     LayoutChange,
+    checkpoint_step,
     data_position,
     global_model_source,
     layout_change,
+    layout_record,
     load_global_model,
     load_mean_optimizer,
     load_resharded_averaging_state,
@@ -116,7 +118,9 @@ class FedShardMixin(Trainer):
         self._group_eval: tuple[int, dict[str, float]] | None = None  # (step, metrics) of the last group eval
         self._layout_change: LayoutChange | None = None  # the checkpoint being resumed was written on another layout
         self._data_arithmetic: dict[str, int] = {}  # samples_per_step, steps_per_epoch: fed_layout.json records them
-        self._resumed_position: DataPosition | None = None  # where the data resumes after a layout change
+        self._batches_per_epoch: int | None = None  # Trainer's steps_in_epoch (each rank's batches), if it has one
+        self._resume_record: tuple[dict, int] | None = None  # the resumed checkpoint's fed_layout.json and step
+        self._resumed_position: DataPosition | None = None  # where the data resumes (the record's, not the step's)
         super().__init__(*args, **kwargs)
         if self.args.fed_evaluates_groups and (
             isinstance(self.eval_dataset, dict) or not has_length(self.eval_dataset)
@@ -259,7 +263,7 @@ class FedShardMixin(Trainer):
         if self.args.fed_requested:  # beside Trainer's "Total train batch size" (the world's), at the default level
             notice("%s; %s", self.fed_layout.describe(), self._batch_arithmetic())
         auto = resume_from_checkpoint is None and self.args.fed_auto_resume
-        self._layout_change, self._resumed_position = None, None
+        self._layout_change, self._resume_record, self._resumed_position = None, None, None
         layout = self.args.fed_launch_layout  # what a checkpoint holds: this job's groups (torchft: its one group)
         if self.fed_callback is not None:
             resume_from_checkpoint = resumable_checkpoint(resume_from_checkpoint, self.args, layout, self.model)
@@ -268,7 +272,9 @@ class FedShardMixin(Trainer):
         if isinstance(resume_from_checkpoint, str):
             check_resumable(resume_from_checkpoint, layout, self.model)  # one group refuses federated ones
             check_tokenizer_matches(resume_from_checkpoint, tokenizer_fingerprint(self.processing_class))
-            self._layout_change = layout_change(resume_from_checkpoint, layout) if self.fed_callback else None
+            if self.fed_callback is not None and (saved := layout_record(resume_from_checkpoint)) is not None:
+                self._resume_record = (saved, checkpoint_step(resume_from_checkpoint))
+                self._layout_change = layout_change(resume_from_checkpoint, layout)
             self._check_layout_change(resume_from_checkpoint)
             if auto and self.args.should_log:
                 logger.warning("hf_fedshard: fed_auto_resume: resuming from %s", resume_from_checkpoint)
@@ -302,26 +308,31 @@ class FedShardMixin(Trainer):
             )
 
     def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
-        # Record a step's data arithmetic for fed_layout.json; on another layout, enough epochs to reach max_steps.
+        # Record a step's data arithmetic for fed_layout.json; resume where the record says the data was (after a
+        # layout change the step no longer tells the epoch), with enough epochs to reach max_steps.
         values = super().set_initial_training_values(args, dataloader)
-        _, steps_per_epoch, _, _, total_batch, _, max_steps = values
+        _, steps_per_epoch, _, _, total_batch, batches_per_epoch, max_steps = values
         self._data_arithmetic = {"samples_per_step": int(total_batch), "steps_per_epoch": int(steps_per_epoch)}
-        change = self._layout_change
-        if change is None:
+        self._batches_per_epoch = batches_per_epoch if has_length(dataloader) else None
+        record = self._resume_record
+        if record is None or self._batches_per_epoch is None:
             return values
-        position = data_position(change, int(total_batch), int(steps_per_epoch))
+        saved, step = record
+        if "epoch_samples" not in saved and self._layout_change is None:
+            return values  # a run that never changed layout: Trainer's own arithmetic holds
+        position = data_position(saved, step, int(total_batch), int(steps_per_epoch))
         self._resumed_position = position
         left_in_epoch = steps_per_epoch - position.steps
-        more = math.ceil(max(0, max_steps - change.step - left_in_epoch) / steps_per_epoch)
+        more = math.ceil(max(0, max_steps - step - left_in_epoch) / steps_per_epoch)
         return (position.epoch + 1 + more, *values[1:])
 
     def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
         # On another layout the data position follows the samples read, not the step (checkpointing.reshard).
         epochs_trained, steps_trained = super()._init_training_state(*args, **kwargs)
         change, position = self._layout_change, self._resumed_position
-        if change is None or position is None:
+        if position is None:
             return epochs_trained, steps_trained
-        if self.args.should_log:
+        if change is not None and self.args.should_log:
             logger.warning(
                 "hf_fedshard: resuming step %d of %s on %s: the model is %s; the anchor and outer momentum are the "
                 "checkpoint's, resharded; the inner optimizer's moments are the mean of the %d groups', resharded; "
@@ -451,12 +462,26 @@ class FedShardMixin(Trainer):
         layout = self.args.fed_launch_layout
         save_averaging_state(checkpoint, layout, self.args.process_index, state, self.model, self._group_pg)
         if self.args.should_save:
-            read = {**self._data_arithmetic, "tokenizer": tokenizer_fingerprint(self.processing_class)}
+            read = {
+                **self._data_arithmetic,
+                **self._epoch_position(),
+                "tokenizer": tokenizer_fingerprint(self.processing_class),
+            }
             write_layout_record(checkpoint, layout, self.model, read)
             config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
             if config is not None:
                 config.save_pretrained(checkpoint)
             self._save_trainer_state(checkpoint)
+
+    def _epoch_position(self) -> dict[str, int]:
+        """The epoch and the samples read of it (`checkpointing.reshard.data_position` resumes from them), from
+        Trainer's fractional epoch: epoch + batches read ÷ batches per epoch."""
+        if self._batches_per_epoch is None or self.state.epoch is None:
+            return {}
+        epoch = math.floor(self.state.epoch + 1e-9)
+        batches = round((self.state.epoch - epoch) * self._batches_per_epoch)
+        samples = batches * self._data_arithmetic["samples_per_step"] // self.args.gradient_accumulation_steps
+        return {"epoch": epoch, "epoch_samples": samples}
 
     def _save_trainer_state(self, checkpoint: str) -> None:
         """``trainer_state.json`` with the stateful callbacks, as Trainer writes it (the last file of a checkpoint)."""
@@ -527,8 +552,12 @@ class FedShardMixin(Trainer):
         # The best checkpoint holds one copy per group: each group reloads its own.
         if self.fed_callback is None:
             return super()._load_best_model()
-        group = group_dir(self.state.best_model_checkpoint, self._group_index)
-        load_group_model(self.model, os.path.join(group, "model"), self._group_pg)
+        best = self.state.best_model_checkpoint
+        change = layout_change(best, self.args.fed_launch_layout)  # written before a layout change: its global model
+        if change is not None:
+            load_global_model(self.model, change, self._group_pg)
+        else:
+            load_group_model(self.model, os.path.join(group_dir(best, self._group_index), "model"), self._group_pg)
         self.fed_callback.averager.adopt_plain_average()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
