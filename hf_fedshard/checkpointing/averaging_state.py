@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from hf_fedshard.checkpointing.checkpoint import OUTER_DIR, group_dir, reading
+from hf_fedshard.checkpointing.checkpoint import OUTER_DIR, group_dir, holds_outer_state_by_name, reading
 from hf_fedshard.transports.mesh import FederationLayout
 
 ANCHOR, MOMENTUM = "anchor", "momentum"
@@ -69,7 +69,7 @@ def load_outer_state(checkpoint: str, model: nn.Module, group: ProcessGroup, pos
     """The outer state for this rank: from DCP in the engine's flat form (``anchor`` and ``momentum``, a tensor or
     ``None`` per trainable parameter: `hf_fedshard.engine.outer.fragments_from_flat`), or an earlier release's
     ``position{position}.pt``; ``None`` for a checkpoint without one."""
-    if not os.path.isfile(os.path.join(checkpoint, OUTER_DIR, ".metadata")):
+    if not holds_outer_state_by_name(checkpoint):
         path = outer_state_path(checkpoint, position)
         if not os.path.isfile(path):
             return None

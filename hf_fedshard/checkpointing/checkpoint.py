@@ -203,13 +203,24 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any] | None:
     }
 
 
+def read_layout_record(checkpoint: str) -> dict[str, Any] | None:
+    """``checkpoint``'s ``fed_layout.json``, or ``None`` for a checkpoint without one (not a federated run's)."""
+    path = os.path.join(checkpoint, FED_LAYOUT_NAME)
+    if not os.path.isfile(path):
+        return None
+    with reading(path), open(path) as f:
+        return json.load(f)
+
+
+def holds_outer_state_by_name(checkpoint: str) -> bool:
+    """Whether ``fed_outer/`` is a DCP checkpoint by parameter name, not an earlier release's ``position{p}.pt``."""
+    return os.path.isfile(os.path.join(checkpoint, OUTER_DIR, ".metadata"))
+
+
 def check_tokenizer_matches(checkpoint: str, current: dict[str, Any] | None) -> None:
     """Refuse a checkpoint whose recorded tokenizer differs from this run's (one line, no collective)."""
-    path = os.path.join(checkpoint, FED_LAYOUT_NAME)
-    if current is None or not os.path.isfile(path):
-        return
-    with open(path) as f:
-        saved = json.load(f).get("tokenizer")
+    record = read_layout_record(checkpoint) if current is not None else None
+    saved = None if record is None else record.get("tokenizer")
     if saved is not None and saved != current:
         raise ConfigError(
             f"resume_from_checkpoint={checkpoint} was trained with another tokenizer: {saved['class']} with "
@@ -241,10 +252,8 @@ def write_layout_record(checkpoint: str, layout: FederationLayout, model: nn.Mod
 def is_reshardable(checkpoint: str) -> bool:
     """Whether ``checkpoint`` can resume on another layout: its outer state is held by parameter name (DCP), not
     per position (``position{p}.pt``, an earlier release's), and it records its data arithmetic."""
-    if not os.path.isfile(os.path.join(checkpoint, OUTER_DIR, ".metadata")):
-        return False
-    with open(os.path.join(checkpoint, FED_LAYOUT_NAME)) as f:
-        return "samples_per_step" in json.load(f)
+    record = read_layout_record(checkpoint)
+    return holds_outer_state_by_name(checkpoint) and record is not None and "samples_per_step" in record
 
 
 def check_resumable(checkpoint: str, layout: FederationLayout, model: nn.Module) -> None:
@@ -253,17 +262,15 @@ def check_resumable(checkpoint: str, layout: FederationLayout, model: nn.Module)
     With one group, only a federated checkpoint is checked (and refused): others are Trainer's own. Reads one small
     file and no collective, so every rank raises the same error and none waits for the others.
     """
-    path = os.path.join(checkpoint, FED_LAYOUT_NAME)
-    if not layout.federated and not os.path.isfile(path):
+    saved = read_layout_record(checkpoint)
+    if not layout.federated and saved is None:
         return
-    if not os.path.isfile(path):
+    if saved is None:
         raise ConfigError(
             f"resume_from_checkpoint={checkpoint} has no {FED_LAYOUT_NAME}: it was not written by a federated "
             f"FedShardTrainer run, and this run is {layout.describe()}. Resume from a checkpoint of this run's "
             "output_dir, or start without resume_from_checkpoint."
         )
-    with open(path) as f:
-        saved = json.load(f)
     if layout.federated and is_reshardable(checkpoint):  # another layout is resharded (checkpointing.reshard)
         check_model_matches(saved["model"], model_fingerprint(model), checkpoint)
         return

@@ -33,10 +33,10 @@ from transformers.trainer import TRAINER_STATE_NAME
 
 from hf_fedshard.checkpointing.averaging_state import in_flight_path, load_outer_state, read_counters
 from hf_fedshard.checkpointing.checkpoint import (
-    FED_LAYOUT_NAME,
     group_dir,
     load_group_model,
     load_group_optimizer,
+    read_layout_record,
     reading,
 )
 from hf_fedshard.engine.payload import model_state_tensors, optimizer_state_tensors
@@ -67,15 +67,6 @@ class LayoutChange:
         return f"{layout.method}, {layout.num_groups} groups × {layout.group_size} ranks{shards}"
 
 
-def layout_record(checkpoint: str) -> dict | None:
-    """``checkpoint``'s ``fed_layout.json``, or ``None`` for a checkpoint without one."""
-    path = os.path.join(checkpoint, FED_LAYOUT_NAME)
-    if not os.path.isfile(path):
-        return None
-    with reading(path), open(path) as f:
-        return json.load(f)
-
-
 def checkpoint_step(checkpoint: str) -> int:
     """The optimizer step ``checkpoint`` was written at (its ``trainer_state.json``)."""
     path = os.path.join(checkpoint, TRAINER_STATE_NAME)
@@ -94,7 +85,7 @@ def changes_layout(saved: dict | None, layout: FederationLayout) -> bool:
 
 def layout_change(checkpoint: str, layout: FederationLayout) -> LayoutChange | None:
     """The change from ``checkpoint``'s layout to ``layout``, or ``None`` where they match (or nothing is recorded)."""
-    saved = layout_record(checkpoint)
+    saved = read_layout_record(checkpoint)
     if not changes_layout(saved, layout):
         return None
     return LayoutChange(checkpoint, saved, checkpoint_step(checkpoint), layout)

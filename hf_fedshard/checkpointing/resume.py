@@ -29,11 +29,12 @@ from hf_fedshard.checkpointing.checkpoint import (
     check_resumable,
     complete_checkpoints,
     group_dir,
+    read_layout_record,
     set_aside,
     steps_every_group_has,
 )
 from hf_fedshard.checkpointing.manifest import MANIFEST_NAME, checksum_problem, read_manifest, size_problem
-from hf_fedshard.checkpointing.reshard import changes_layout, layout_record
+from hf_fedshard.checkpointing.reshard import changes_layout
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.arguments import FedShardTrainingArguments
 from hf_fedshard.transports.mesh import FederationLayout
@@ -143,7 +144,7 @@ def _size_problem(checkpoint: str, layout: FederationLayout, model: nn.Module, r
     problem = size_problem(checkpoint, files, top_level)
     if problem is None:
         check_resumable(checkpoint, layout, model)  # another model is bad input, not damage
-        resharded = changes_layout(layout_record(checkpoint), layout)
+        resharded = changes_layout(read_layout_record(checkpoint), layout)
         problem = size_problem(checkpoint, files, _files_read_by(files, layout, rank, resharded))
     return problem
 
@@ -152,7 +153,7 @@ def _checksum_problem(checkpoint: str, layout: FederationLayout, rank: int) -> s
     """Hash this rank's share: the shared files (top level, outer state) split among the world, its group's
     files among the group. Every file a rank reads is hashed by some rank, so a damaged one is seen before loading."""
     files = read_manifest(checkpoint)
-    if changes_layout(layout_record(checkpoint), layout):  # every rank reads every file: split them over the world
+    if changes_layout(read_layout_record(checkpoint), layout):  # every rank reads every file: split them over the world
         return checksum_problem(checkpoint, files, list(files)[rank :: layout.world_size])
     shared = _shared_files(files)
     own = [path for path in _files_read_by(files, layout, rank, False) if path not in shared]

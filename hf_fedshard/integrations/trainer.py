@@ -29,6 +29,7 @@ from hf_fedshard.checkpointing.checkpoint import (
     latest_complete_checkpoint,
     load_group_model,
     load_group_optimizer,
+    read_layout_record,
     reading,
     save_group_model,
     save_group_optimizer,
@@ -42,7 +43,6 @@ from hf_fedshard.checkpointing.reshard import (
     data_position,
     global_model_source,
     layout_change,
-    layout_record,
     load_global_model,
     load_mean_optimizer,
     load_resharded_averaging_state,
@@ -272,7 +272,7 @@ class FedShardMixin(Trainer):
         if isinstance(resume_from_checkpoint, str):
             check_resumable(resume_from_checkpoint, layout, self.model)  # one group refuses federated ones
             check_tokenizer_matches(resume_from_checkpoint, tokenizer_fingerprint(self.processing_class))
-            if self.fed_callback is not None and (saved := layout_record(resume_from_checkpoint)) is not None:
+            if self.fed_callback is not None and (saved := read_layout_record(resume_from_checkpoint)) is not None:
                 self._resume_record = (saved, checkpoint_step(resume_from_checkpoint))
                 self._layout_change = layout_change(resume_from_checkpoint, layout)
             self._check_layout_change(resume_from_checkpoint)
