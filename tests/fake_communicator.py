@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from hf_fedshard.engine import FederationCommunicator
+from hf_fedshard.engine.pieces import GroupShape
 
 BARRIER_TIMEOUT_S = 30  # a rank that failed leaves the others waiting: they fail after this instead of hanging
 
@@ -24,9 +25,9 @@ class FakeCommunicator:
     def rank(self) -> int:
         return self._rank
 
-    def _meet(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's tensor, in rank order (two barriers: post, read, then free the slot)."""
-        self.shared[self._rank] = tensor.clone()
+    def _meet(self, tensor: object) -> list:
+        """Every rank's tensor (or tuple), in rank order (two barriers: post, read, then free the slot)."""
+        self.shared[self._rank] = tensor.clone() if isinstance(tensor, torch.Tensor) else tensor
         self.shared["barrier"].wait()
         everyone = [self.shared[r] for r in range(self._size)]
         self.shared["barrier"].wait()
@@ -46,6 +47,15 @@ class FakeCommunicator:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         output.copy_(torch.cat(self._meet(input)))
+
+    def all_to_all_v(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]
+    ) -> None:
+        everyone = self._meet((input.clone(), list(input_splits)))
+        parts = [t.split(splits)[self._rank] for t, splits in everyone]
+        if [p.numel() for p in parts] != list(output_splits):
+            raise RuntimeError(f"rank {self._rank} expected {output_splits}, got {[p.numel() for p in parts]}")
+        output.copy_(torch.cat(parts))
 
 
 def run_ranks(size: int, fn: Callable[[FakeCommunicator], object]) -> list:
@@ -112,15 +122,28 @@ class Counted:
         self.calls += 1
         self.inner.all_gather(output, input)
 
+    def all_to_all_v(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]
+    ) -> None:
+        self.calls += 1
+        self.inner.all_to_all_v(output, input, output_splits, input_splits)
 
-def run_federation(groups: int, fn: Callable[[FederationCommunicator], object]) -> list:
+
+def run_federation(groups: int, fn: Callable[[FederationCommunicator], object], pieces: bool = False) -> list:
     """``fn(comm)`` on ``groups`` threads, one rank per group: the engine's peers, control and exchange are three
-    fake groups of the same ranks (the exchange's own, as the overlap worker needs), each `Counted`."""
+    fake groups of the same ranks (the exchange's own, as the overlap worker needs), each `Counted`.
+
+    ``pieces``: describe the groups as groups of unequal size do (``groups``, no ``peers``), so that the engine
+    takes `hf_fedshard.engine.pieces` (here each group is one rank, so every group weighs the same).
+    """
     shared = {name: {"barrier": threading.Barrier(groups, timeout=BARRIER_TIMEOUT_S)} for name in ("p", "c", "x")}
 
     def rank_fn(world: FakeCommunicator) -> object:
         rank = world.rank()
         peers, control, exchange = (Counted(FakeCommunicator(shared[n], rank, groups)) for n in ("p", "c", "x"))
+        if pieces:
+            shapes = tuple(GroupShape((r,), 1) for r in range(groups))
+            return fn(FederationCommunicator(None, control, exchange, timeout="t=5", groups=shapes, this_group=rank))
         return fn(FederationCommunicator(peers=peers, control=control, exchange=exchange, timeout="fed_timeout_s=5"))
 
     return run_ranks(groups, rank_fn)

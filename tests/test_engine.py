@@ -58,7 +58,9 @@ def poison(model: Tiny) -> None:
         model.first.weight.view(-1)[0] = math.nan
 
 
-def engine_run(steps: int, nan_at: tuple[int, int] | None = None, finish_apart: bool = False, **options) -> list:
+def engine_run(
+    steps: int, nan_at: tuple[int, int] | None = None, finish_apart: bool = False, pieces: bool = False, **options
+) -> list:
     """Every group's parameters and buffer after ``steps`` steps and the end, its averager, its optimizer."""
     options = {"sync_steps": 4, **options}
 
@@ -248,11 +250,20 @@ def test_the_engine_follows_the_rule_to_the_bit(options, steps):
     assert averager.counters.group_drift == pytest.approx(reference.drift, rel=1e-12)
 
 
+@pytest.mark.parametrize("options", MATRIX)
+def test_the_exchange_of_unequal_groups_follows_the_same_rule_where_the_groups_weigh_the_same(options):
+    """`hf_fedshard.engine.pieces` (groups of unequal size) with groups of equal weight: in fp32 its rule is the
+    equal groups' rule, so every fragment, overlap, outer optimizer and buffer must land on the same bits."""
+    results = engine_run(10, pieces=True, **options)
+    assert_groups_equal_reference(results, reference_for(options).run(10))
+
+
 @pytest.mark.parametrize("options", [pytest.param({}, id="blocking"), pytest.param({"sync_overlap": 1}, id="overlap")])
-def test_a_diverged_group_is_left_out_and_restarted(options):
+@pytest.mark.parametrize("pieces", [False, True], ids=["equal", "pieces"])
+def test_a_diverged_group_is_left_out_and_restarted(options, pieces):
     """Group 1 gets a NaN at step 3; the averaging of step 4 divides by the 2 contributing groups, group 1 takes
     their mean (overlapped: at the apply, step 5), and its optimizer momentum is zeroed."""
-    results = engine_run(8, nan_at=(1, 3), **options)
+    results = engine_run(8, nan_at=(1, 3), pieces=pieces, **options)
     assert_groups_equal_reference(results, reference_for(options).run(8, nan_at=(1, 3)))
     assert [r[1].counters.diverged_groups for r in results] == [1, 1, 1]
     assert [r[1].diverged_at_step for r in results] == [4 + options.get("sync_overlap", 0)] * 3

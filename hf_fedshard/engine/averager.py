@@ -21,6 +21,7 @@ next exchange's agreement (it sent a finite Δ to this one), and restarts when t
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -42,14 +43,18 @@ from hf_fedshard.engine.options import AveragingOptions
 from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat, outer_state_device
 from hf_fedshard.engine.overlap import InFlight, Worker
 from hf_fedshard.engine.payload import (
+    Address,
     all_finite,
     load_model_state,
+    model_state_addresses,
     model_state_tensors,
+    optimizer_state_addresses,
     optimizer_state_tensors,
     plain_mean_over_groups,
     reset_optimizer_state,
     trainable_parameters,
 )
+from hf_fedshard.engine.pieces import PieceExchange
 from hf_fedshard.engine.resumable import check_state, continue_history
 from hf_fedshard.engine.settings_history import History, history_from_state, history_to_state
 from hf_fedshard.errors import ConfigError
@@ -130,7 +135,8 @@ class FederatedAverager:
                 "does not redo when a group leaves: set --fed_sync_fragments 1 --fed_sync_overlap 0."
             )
         self.model, self.optimizer, self.before_eval = model, optimizer, before_eval
-        self.exchange = Exchange(self.comm.exchange_peers, options.sync_dtype, self.comm.split)
+        self._addresses = model_state_addresses(model)
+        self.exchange, self._pieces = self._exchanges(options.sync_dtype)
         self.settings_history: History = [(0, self.settings)]
         self.counters = Counters()
         self.step_count = 0
@@ -224,7 +230,7 @@ class FederatedAverager:
         diverged = self._agree(tensors)
         if len(diverged) < self.comm.num_groups:
             contribute, contributors = self._contribution(diverged)
-            self._plain_mean(tensors, contributors, contribute)
+            self._plain_mean(tensors, self._addresses, contributors, contribute)
         self._lending = True
         try:
             yield
@@ -241,7 +247,7 @@ class FederatedAverager:
         self._wait_in_flight()
         for fragment in self.fragments:
             fragment.in_flight = None
-        self._plain_mean(model_state_tensors(self.model))
+        self._plain_mean(model_state_tensors(self.model), self._addresses)
         for fragment in self.fragments:
             fragment.averaged_at = self.step_count
 
@@ -351,17 +357,18 @@ class FederatedAverager:
         """The collectives of a blocking averaging, changing no state: the agreement, Δ's mean, the plain means."""
         diverged, published = self._agree_values(self._payload())
         contribute, contributors = self._contribution(diverged)
+        addresses = self._payload_addresses()
         deltas, means, sent = [], [], 0
         with self._explain():
             for index in indices:
                 fragment = self.fragments[index]
                 fragment_deltas = self._deltas(fragment.outer, fragment.of(params), contribute)
-                mean, nbytes = self.exchange.mean(fragment_deltas, contributors)
+                mean, nbytes = self.exchange.mean(fragment_deltas, contributors, fragment.of(addresses))
                 deltas.append(fragment_deltas)
                 means.append(mean)
                 sent += nbytes
         plain = others if self.comm.membership is None else [t.clone() for t in others]
-        self._plain_mean(plain, contributors, contribute)
+        self._plain_mean(plain, addresses[len(addresses) - len(others) :], contributors, contribute)
         return _Exchanged(diverged, published, contribute, contributors, deltas, means, plain, sent)
 
     def _apply_exchanged(
@@ -386,7 +393,7 @@ class FederatedAverager:
         sent_deltas = [d for deltas in result.deltas for d in deltas]
         means = [m for fragment_means in result.means for m in fragment_means]
         self._norms = Norms.of(
-            sent_deltas, means, result.contribute, self.comm.group, self.comm.num_groups, result.contributors
+            sent_deltas, means, result.contribute, self.comm.group, self.comm.num_groups, len(result.diverged)
         )
         _synchronize(params)
         self.counters.count(seconds, 0.0)
@@ -437,8 +444,9 @@ class FederatedAverager:
         snapshots = [p.detach().to(torch.float32, copy=True) for p in fragment.of(params)]
         deltas = self._deltas(fragment.outer, snapshots, contribute)
         if fragment.index == self.schedule.fragments - 1:
-            self._plain_mean(others, contributors, contribute)
-        future = self._worker.submit(self.exchange.mean, deltas, contributors)
+            self._plain_mean(others, self._addresses[self._trainable :], contributors, contribute)
+        mean = functools.partial(self.exchange.mean, addresses=fragment.of(self._addresses))
+        future = self._worker.submit(mean, deltas, contributors)
         fragment.in_flight = InFlight(
             fragment.index, step, step + self.schedule.overlap, snapshots, contribute, contributors, diverged,
             blocked_s=time.perf_counter() - begin, future=future,
@@ -454,7 +462,7 @@ class FederatedAverager:
         params = model_state_tensors(self.model)[: self._trainable]
         deltas = self._deltas(fragment.outer, flight.snapshots, flight.contribute)
         self._norms = Norms.of(
-            deltas, means, flight.contribute, self.comm.group, self.comm.num_groups, flight.contributors
+            deltas, means, flight.contribute, self.comm.group, self.comm.num_groups, len(flight.diverged)
         )
         fragment.in_flight = None
         mine_diverged = self.comm.group in flight.diverged
@@ -484,13 +492,21 @@ class FederatedAverager:
             self._norms = None
 
     def _plain_mean(
-        self, tensors: list[torch.Tensor], contributors: int | None = None, contribute: bool = True
+        self,
+        tensors: list[torch.Tensor],
+        addresses: Sequence[Address],
+        contributors: int | None = None,
+        contribute: bool = True,
     ) -> None:
-        """``tensors`` ← their plain mean over the peers (no outer step), the bytes counted, a failure explained."""
+        """``tensors`` ← their plain mean over the groups (no outer step; weighted by the groups' samples where
+        they are of unequal size), the bytes counted, a failure explained."""
+        contributors = contributors or sum(self.comm.group_weights)
         with self._explain():
-            self.counters.inter_group_bytes += plain_mean_over_groups(
-                tensors, self.comm.peers, contributors or self.comm.num_groups, contribute
-            )
+            if self._pieces is not None:
+                sent = self._pieces.plain_mean(tensors, contributors, contribute, addresses)
+            else:
+                sent = plain_mean_over_groups(tensors, self.comm.peers, contributors, contribute)
+            self.counters.inter_group_bytes += sent
 
     def _contribution(self, diverged: list[int]) -> tuple[bool, int]:
         """(whether this rank's group sends its Δ, how many groups do); an averaging without any stops training."""
@@ -500,7 +516,8 @@ class FederatedAverager:
                 f"{self.step_count}; training stopped. Resume from the latest checkpoint (checkpoints are skipped "
                 "while a group has NaN/Inf, so it holds finite weights) with a lower learning_rate or max_grad_norm."
             )
-        return self.comm.group not in diverged, self.comm.num_groups - len(diverged)
+        weights = self.comm.group_weights
+        return self.comm.group not in diverged, sum(w for g, w in enumerate(weights) if g not in diverged)
 
     @staticmethod
     def _deltas(outer: OuterOptimizer, tensors: list[torch.Tensor], contribute: bool) -> list[torch.Tensor]:
@@ -536,6 +553,24 @@ class FederatedAverager:
         if self.options.average_optimizer_state and self.optimizer is not None:
             tensors += optimizer_state_tensors(self.optimizer, self.model)
         return tensors
+
+    def _exchanges(self, sync_dtype: str) -> tuple[Exchange | PieceExchange, PieceExchange | None]:
+        """The exchange of Δ, and with groups of unequal size the plain means' (over whole tensors, fp32); a shard
+        that is not FSDP2's is refused there, before any collective."""
+        comm = self.comm
+        if comm.groups is None:
+            return Exchange(comm.exchange_peers, sync_dtype, comm.split), None
+        plain = PieceExchange(comm.control, comm.groups, comm.group)
+        for address, tensor in zip(self._addresses, model_state_tensors(self.model), strict=True):
+            plain.offset(address, tensor)
+        return PieceExchange(comm.exchange_peers, comm.groups, comm.group, sync_dtype), plain
+
+    def _payload_addresses(self) -> list[Address]:
+        """The `Address` of each of `_payload`'s tensors."""
+        addresses = list(self._addresses)
+        if self.options.average_optimizer_state and self.optimizer is not None:
+            addresses += optimizer_state_addresses(self.optimizer, self.model)
+        return addresses
 
     def _in_flight(self) -> Fragment | None:
         """The fragment whose exchange is in flight (the schedule allows one at a time)."""
@@ -574,7 +609,7 @@ class FederatedAverager:
 
         def attempt() -> list[torch.Tensor]:
             means = tensors if self.comm.membership is None else [t.clone() for t in tensors]
-            self._plain_mean(means)
+            self._plain_mean(means, self._addresses)
             return means
 
         def apply(means: list[torch.Tensor]) -> None:

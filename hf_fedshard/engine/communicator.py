@@ -11,6 +11,9 @@ The engine never calls ``torch.distributed`` itself. A transport (``hf_fedshard.
 - ``exchange``: the peers the exchange of Δ runs over: ``peers`` itself, or (with overlap) a second set of the same
   ranks that the worker thread alone uses, since two threads must not share a process group.
 - ``split``: the group's HSDP replicas that the exchange splits its payload over (FL+HSDP), or ``None``.
+- ``groups``: with groups of unequal size (``fed_group_size 4,2,2``) no rank of one group holds what a rank of
+  another holds, so there are no ``peers``: every exchange and plain mean addresses the whole tensors over
+  ``control`` (or the worker's ``exchange``, every rank too), `hf_fedshard.engine.pieces`.
 - ``membership``: ``None`` where the set of groups is fixed for the job (one job, `hf_fedshard.transports.mesh`);
   a `Membership` where groups may leave and join between averagings (`hf_fedshard.transports.elastic`): there
   ``peers.size()`` and ``peers.rank()`` follow the quorum of the groups alive, and every averaging commits or
@@ -22,10 +25,13 @@ Tests run the whole engine in one process with a fake `Communicator` per rank (t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.distributed import ProcessGroup, ReduceOp, all_gather_single, all_reduce, all_to_all_single
+
+if TYPE_CHECKING:
+    from hf_fedshard.engine.pieces import GroupShape
 
 
 class Communicator(Protocol):
@@ -40,6 +46,12 @@ class Communicator(Protocol):
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
+
+    def all_to_all_v(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]
+    ) -> None:
+        """``input_splits[r]`` elements of ``input`` to rank r; ``output_splits[r]`` from rank r into ``output``."""
+        ...
 
 
 class ProcessGroupCommunicator:
@@ -62,6 +74,11 @@ class ProcessGroupCommunicator:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         all_gather_single(output, input, group=self.group)
+
+    def all_to_all_v(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]
+    ) -> None:
+        all_to_all_single(output, input, output_splits, input_splits, group=self.group)
 
 
 class Membership(Protocol):
@@ -94,33 +111,45 @@ class FederationCommunicator:
     """What a transport hands the engine (see the module docstring for each set of ranks).
 
     Args:
-        peers: this rank's peers in every group (``rank()`` = this group's index).
+        peers: this rank's peers in every group (``rank()`` = this group's index); ``None`` with ``groups``.
         control: every rank of the federation.
-        exchange: the exchange's peers (the overlap worker's own); ``None``: ``peers``.
+        exchange: the exchange's peers (the overlap worker's own; with ``groups`` every rank); ``None``: ``peers``
+            (with ``groups``: ``control``).
         split: the HSDP replicas to split the exchange over; ``None``: no split.
         hsdp_replicas: ranks of one group holding the same shard (1 for FL+FSDP), to turn shard norms into model
             norms.
         timeout: how the limit on a cross-group collective is named in errors, e.g. ``"fed_timeout_s=30"``.
         membership: the rounds of a transport whose groups may change (`Membership`); ``None``: a fixed set.
+        groups: groups of unequal size, their ranks numbered as in ``control``; ``None``: equal groups.
+        this_group: this rank's index in ``groups``.
     """
 
-    peers: Communicator
+    peers: Communicator | None
     control: Communicator
     exchange: Communicator | None = None
     split: Communicator | None = None
     hsdp_replicas: int = 1
     timeout: str = "the process groups' timeout"
     membership: Membership | None = None
+    groups: tuple[GroupShape, ...] | None = None
+    this_group: int = 0
 
     @property
     def num_groups(self) -> int:
-        return self.peers.size()
+        return self.peers.size() if self.groups is None else len(self.groups)
 
     @property
     def group(self) -> int:
         """This rank's federation group."""
-        return self.peers.rank()
+        return self.peers.rank() if self.groups is None else self.this_group
 
     @property
     def exchange_peers(self) -> Communicator:
-        return self.peers if self.exchange is None else self.exchange
+        if self.exchange is not None:
+            return self.exchange
+        return self.peers if self.groups is None else self.control
+
+    @property
+    def group_weights(self) -> list[int]:
+        """Each group's weight in a mean: its ranks with unequal groups (the samples it reads), else 1."""
+        return [1] * self.num_groups if self.groups is None else [g.weight for g in self.groups]

@@ -12,8 +12,8 @@ One rank's vector (G groups), summed over every rank of every group::
     [ flag_0 … flag_{G−1} | drift_0 … drift_{G−1} | mean ]
 
 flag_g counts the ranks of group g holding a NaN/Inf (so a group agrees on its own flag without a collective of
-its own); drift_g sums ‖Δ_g − mean Δ‖² and ``mean`` sums ‖mean Δ‖², each rank adding its shard's squares. A shard
-is held by the group's HSDP replicas, so the sums count it that many times.
+its own); drift_g sums ‖Δ_g − mean Δ‖² and ``mean`` sums ‖mean Δ‖², each rank adding its shard's squares divided
+by its group's HSDP replicas (they hold the same shard; with groups of unequal size, a different number of them).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Norms:
     """This rank's norm sums of an averaging, kept until the next control all-reduce publishes them."""
 
     sums: list[float]  # drift_0 … drift_{G−1}, mean (float64 values of this rank's shard)
-    contributors: int
+    contributors: int  # how many groups sent their Δ
 
     @classmethod
     def of(
@@ -41,15 +41,16 @@ class Norms:
         contribute: bool,
         group: int,
         num_groups: int,
-        contributors: int,
+        diverged: int,
     ) -> Norms:
-        """This rank's squares: ‖Δ − mean Δ‖² in its group's slot (if it contributed), ‖mean Δ‖² last."""
+        """This rank's squares: ‖Δ − mean Δ‖² in its group's slot (if it contributed), ‖mean Δ‖² last;
+        ``diverged``: how many groups sent nothing."""
         sums = [0.0] * (num_groups + 1)
         if contribute:
             drift = (d - m for d, m in zip(deltas, means, strict=True))
             sums[group] = float(sum((x.double().square().sum() for x in drift), torch.zeros((), dtype=torch.float64)))
         sums[-1] = float(sum((m.double().square().sum() for m in means), torch.zeros((), dtype=torch.float64)))
-        return cls(sums, contributors)
+        return cls(sums, num_groups - diverged)
 
 
 def agree(
@@ -63,14 +64,14 @@ def agree(
     groups = comm.num_groups
     vector = torch.zeros(2 * groups + 1, dtype=torch.float64, device=device)
     vector[comm.group] = 0.0 if finite else 1.0
-    if norms is not None:
-        vector[groups:] = torch.tensor(norms.sums, dtype=torch.float64)
+    if norms is not None:  # a shard is held by the group's HSDP replicas: each adds its share
+        vector[groups:] = torch.tensor(norms.sums, dtype=torch.float64) / comm.hsdp_replicas
     comm.control.all_reduce_sum(vector)
     values = vector.tolist()
     diverged = [g for g in range(groups) if values[g] > 0]
     if norms is None:
         return diverged, None
-    sums = [s / comm.hsdp_replicas for s in values[groups:]]
+    sums = values[groups:]
     mean_norm = (sums[-1] / groups) ** 0.5  # every group holds the same mean Δ
     drift = sum(s**0.5 for s in sums[:-1]) / norms.contributors
     return diverged, (mean_norm, drift / mean_norm if mean_norm > 0 else 0.0)

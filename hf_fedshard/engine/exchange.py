@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from hf_fedshard.engine.codec import Encoded, alignment, decode, encode
 from hf_fedshard.engine.communicator import Communicator
-from hf_fedshard.engine.payload import BUCKET_BYTES
+from hf_fedshard.engine.payload import BUCKET_BYTES, Address
 
 
 def _pad(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -124,8 +124,13 @@ class Exchange:
         self.bucket_bytes = bucket_bytes
 
     @torch.no_grad()
-    def mean(self, tensors: Sequence[torch.Tensor], contributors: int) -> tuple[list[torch.Tensor], int]:
-        """The mean over groups of each fp32 tensor (new tensors), and the payload bytes this rank sent."""
+    def mean(
+        self, tensors: Sequence[torch.Tensor], contributors: int, addresses: Sequence[Address] | None = None
+    ) -> tuple[list[torch.Tensor], int]:
+        """The mean over groups of each fp32 tensor (new tensors), and the payload bytes this rank sent.
+
+        ``addresses`` is `PieceExchange`'s: equal groups' peers hold the same shards, so it is not needed here.
+        """
         means: list[torch.Tensor] = []
         sent = 0
         for start, stop in _bucket_ranges(tensors, self.bucket_bytes):

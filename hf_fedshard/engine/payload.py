@@ -8,7 +8,8 @@ parameter dtype, and divided by the number of groups afterwards because gloo has
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,6 +21,21 @@ from hf_fedshard.engine.communicator import Communicator
 # Sync payloads are cut into buckets of this size so that averaging an 8B model does not need a second
 # fp32 copy of the whole local shard at once; one all-reduce per bucket.
 BUCKET_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where a local tensor sits in the whole one: ``numel`` values in ``rows`` rows; ``sharded``: ``Shard(0)``
+    over the group's shard ranks (parameters, moments), else held whole by every rank (buffers)."""
+
+    numel: int
+    rows: int
+    sharded: bool = True
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, sharded: bool) -> Address:
+        """The address of ``tensor`` (a DTensor's global shape, or a plain tensor's own)."""
+        return cls(tensor.numel(), tensor.shape[0] if tensor.dim() else 1, sharded)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -42,23 +58,38 @@ def model_state_tensors(model: nn.Module) -> list[torch.Tensor]:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-    tensors = [local_tensor(p) for p in trainable_parameters(model)]
+    return [local_tensor(p) for p in trainable_parameters(model)] + [local_tensor(b) for b in _buffers(model)]
+
+
+def model_state_addresses(model: nn.Module) -> list[Address]:
+    """The `Address` of each of `model_state_tensors`: parameters are sharded, buffers held whole."""
+    params = [Address.of(p, sharded=True) for p in trainable_parameters(model)]
+    return params + [Address.of(b, sharded=False) for b in _buffers(model)]
+
+
+def _buffers(model: nn.Module) -> Iterator[torch.Tensor]:
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):
             if buffer.is_floating_point() and name not in module._non_persistent_buffers_set:
-                tensors.append(local_tensor(buffer))
-    return tensors
+                yield buffer
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[torch.Tensor]:
     """Local shards of the optimizer's per-parameter moments (e.g. Adam's ``exp_avg``, ``exp_avg_sq``)."""
+    return [local_tensor(value) for value in _moments(optimizer, model)]
+
+
+def optimizer_state_addresses(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[Address]:
+    """The `Address` of each of `optimizer_state_tensors` (sharded as their parameter)."""
+    return [Address.of(value, sharded=True) for value in _moments(optimizer, model)]
+
+
+def _moments(optimizer: torch.optim.Optimizer, model: nn.Module) -> Iterator[torch.Tensor]:
     state = getattr(optimizer, "optimizer", optimizer).state
-    tensors = []
     for param in trainable_parameters(model):
         for value in state.get(param, {}).values():
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape:
-                tensors.append(local_tensor(value))
-    return tensors
+                yield value
 
 
 def _buckets(tensors: Iterable[torch.Tensor], bucket_bytes: int) -> Iterable[list[torch.Tensor]]:

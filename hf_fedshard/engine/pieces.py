@@ -1,0 +1,337 @@
+"""The exchange between groups of unequal size, where no rank of one group holds what a rank of another holds.
+
+With equal groups, rank r of every group holds the same shard and `hf_fedshard.engine.exchange` averages it over
+those peers. With ``fed_group_size 4,2,2`` a group of 4 shards a parameter in quarters and a group of 2 in halves,
+so the exchange addresses every tensor in its *global* flat index space instead:
+
+- a group of s shard ranks and Q replicas holds a parameter (or a moment) as FSDP2 does, ``Shard(0)`` by
+  ``torch.chunk``: shard k holds rows [k·c, (k+1)·c) ∩ [0, rows), c = ⌈rows / s⌉, on each of its Q replicas;
+  a buffer is held whole by every rank of the group;
+- the boundaries of every group's shards cut a tensor into *pieces*, each held by exactly one shard of every
+  group; a large piece is cut again into G parts, so that the G groups share the work;
+- every piece has an *owner* group (in turn) and, in each group, a *designated* holder (in turn among its
+  holders: HSDP replicas, or every rank for a buffer).
+
+The mean of a piece moves in three all-to-alls over every rank of the federation:
+
+1. each group's designated holder sends the piece, encoded, to the owner's designated holder;
+2. the owner sums the G decoded copies, each weighted by its group's samples, divides, encodes the mean once,
+   and sends those bytes to each other group's designated holder;
+3. each designated holder hands the same bytes to its group's other holders (the fast tier).
+
+Rule, per piece x (G groups, weights w_g, W the weight of the contributing groups, codec encode E and decode D)::
+
+    mean = D(E(Σ_g w_g · D(E(x_g)) / W))        summed in fp32, in group order
+
+w_g is the group's number of ranks: every rank reads ``per_device_train_batch_size × gradient_accumulation_steps``
+samples per step and every group takes the same steps, so w_g counts the samples group g trained on since the
+last averaging. A group that diverged sends zeros and is left out of W. Each piece is encoded on its own (padded to
+the codec's block), so its bytes do not depend on what travels with it, and every holder of every group decodes
+the owner's one encoding: groups stay bit-identical.
+
+The slow tier carries each piece once per group and back, as a ring all-reduce does: 2·(G−1) copies of the model
+per averaging in all, whatever the sizes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from hf_fedshard.engine.codec import INT8_BLOCK, Encoded, alignment, decode, encode
+from hf_fedshard.engine.communicator import Communicator
+from hf_fedshard.engine.payload import BUCKET_BYTES, Address
+from hf_fedshard.errors import ConfigError
+
+SPLIT_VALUES = 65536  # a piece of at least G × this many values is cut into G parts, one per owner group
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "int8": 1}
+_WIRE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """One federation group: its ranks in the exchange's communicator (replica-major), and its shard size."""
+
+    ranks: tuple[int, ...]
+    shard_size: int
+
+    @property
+    def weight(self) -> int:
+        """Samples per step, in units of one rank's: every rank of a group reads its own batch."""
+        return len(self.ranks)
+
+    def span(self, address: Address, shard: int) -> tuple[int, int]:
+        """The flat [start, stop) of ``address`` that shard ``shard`` of this group holds."""
+        if not address.sharded:
+            return 0, address.numel
+        width = address.numel // address.rows if address.rows else 0
+        chunk = math.ceil(address.rows / self.shard_size)
+        return min(address.rows, shard * chunk) * width, min(address.rows, (shard + 1) * chunk) * width
+
+    def cuts(self, address: Address) -> set[int]:
+        """Every boundary between this group's shards of ``address``."""
+        return {bound for k in range(self.shard_size) for bound in self.span(address, k)}
+
+    def holders(self, address: Address, index: int) -> tuple[int, ...]:
+        """The ranks holding flat index ``index`` of ``address`` (its shard's replicas, or every rank)."""
+        if not address.sharded:
+            return self.ranks
+        shard = next(k for k in range(self.shard_size) if self.span(address, k)[0] <= index < self.span(address, k)[1])
+        return self.ranks[shard :: self.shard_size]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A flat range of one tensor, held by one shard of every group: ``holders[g]`` (designated holder first)."""
+
+    tensor: int
+    start: int
+    stop: int
+    owner: int
+    holders: tuple[tuple[int, ...], ...]
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    def designated(self, group: int) -> int:
+        return self.holders[group][0]
+
+
+def _parts(start: int, stop: int, groups: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` cut into ``groups`` parts on the int8 block grid if it is large, else whole."""
+    if stop - start < groups * SPLIT_VALUES:
+        return [(start, stop)]
+    size = math.ceil((stop - start) / groups / INT8_BLOCK) * INT8_BLOCK
+    bounds = [min(stop, start + k * size) for k in range(groups + 1)]
+    return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+
+
+@lru_cache(maxsize=64)
+def plan(addresses: tuple[Address, ...], groups: tuple[GroupShape, ...]) -> tuple[Piece, ...]:
+    """The pieces of ``addresses`` with their owners and holders: a function of its arguments only, so every rank
+    computes the same plan without a collective."""
+    pieces, turn = [], 0
+    for index, address in enumerate(addresses):
+        cuts = sorted(set().union(*(group.cuts(address) for group in groups)))
+        for start, stop in itertools.pairwise(cuts):
+            holders = [group.holders(address, start) for group in groups]
+            for a, b in _parts(start, stop, len(groups)):
+                rotated = tuple(h[turn % len(h) :] + h[: turn % len(h)] for h in holders)
+                pieces.append(Piece(index, a, b, turn % len(groups), rotated))
+                turn += 1
+    return tuple(pieces)
+
+
+def _encoded_bytes(numel: int, sync_dtype: str) -> int:
+    padded = math.ceil(numel / alignment(sync_dtype)) * alignment(sync_dtype)
+    scales = padded // INT8_BLOCK * 4 if sync_dtype == "int8" else 0
+    return padded * _ITEMSIZE[sync_dtype] + scales
+
+
+def _to_bytes(x: torch.Tensor, sync_dtype: str) -> torch.Tensor:
+    """``x`` (flat fp32) encoded on its own, as bytes."""
+    encoded = encode(F.pad(x, (0, -x.numel() % alignment(sync_dtype))), sync_dtype)
+    parts = [encoded.values.reshape(-1).view(torch.uint8)]
+    if encoded.scales is not None:
+        parts.append(encoded.scales.view(torch.uint8))
+    return torch.cat(parts)
+
+
+def _from_bytes(data: torch.Tensor, numel: int, sync_dtype: str) -> torch.Tensor:
+    """The fp32 values of `_to_bytes`'s output (``numel`` of them)."""
+    padded = math.ceil(numel / alignment(sync_dtype)) * alignment(sync_dtype)
+    end = padded * _ITEMSIZE[sync_dtype]
+    values = data[:end].clone().view(_WIRE[sync_dtype])  # a copy: a view across dtypes needs an aligned start
+    scales = data[end:].clone().view(torch.float32) if sync_dtype == "int8" else None
+    return decode(Encoded(values, scales))[:numel]
+
+
+Transfers = Callable[[Piece], list[tuple[int, int]]]
+
+
+class PieceExchange:
+    """Weighted means over groups of unequal size (see the module docstring), with `Exchange`'s interface.
+
+    Args:
+        world: every rank of the federation (the ranks `GroupShape.ranks` number).
+        groups: the groups, in order.
+        group: this rank's group.
+        sync_dtype: the wire dtype (``fed_sync_dtype``).
+        bucket_bytes: fp32 bytes of the whole tensors exchanged per round of all-to-alls, over the smallest shard
+            size (so that no rank holds more than about this much of a round).
+    """
+
+    def __init__(
+        self,
+        world: Communicator,
+        groups: Sequence[GroupShape],
+        group: int,
+        sync_dtype: str = "float32",
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
+        self.world, self.groups, self.group, self.sync_dtype = world, tuple(groups), group, sync_dtype
+        self.me = world.rank()
+        self.bucket_bytes = bucket_bytes * min(g.shard_size for g in self.groups)
+        self._group_of = {rank: g for g, shape in enumerate(self.groups) for rank in shape.ranks}
+
+    def offset(self, address: Address, local: torch.Tensor) -> int:
+        """Where this rank's ``local`` part of ``address`` starts; a part that is not FSDP2's is refused."""
+        shape = self.groups[self.group]
+        start, stop = shape.span(address, shape.ranks.index(self.me) % shape.shard_size)
+        if local.numel() != stop - start:
+            raise ConfigError(
+                f"fed_group_size: this rank holds {local.numel()} values of a tensor of {address.numel}, where "
+                f"FSDP2's Shard(0) over its group's {shape.shard_size} shard ranks gives {stop - start}: groups of "
+                "unequal size need every parameter sharded on dim 0 (fully_shard's default placement)."
+            )
+        return start
+
+    def mean(
+        self, tensors: Sequence[torch.Tensor], contributors: int, addresses: Sequence[Address]
+    ) -> tuple[list[torch.Tensor], int]:
+        """The weighted mean over groups of each tensor (new fp32 tensors), and the payload bytes this rank sent.
+
+        ``contributors``: the summed weight of the groups sending non-zero values.
+        """
+        return self._means([t.float() for t in tensors], contributors, addresses, self.sync_dtype)
+
+    @torch.no_grad()
+    def plain_mean(
+        self, tensors: Sequence[torch.Tensor], contributors: int, contribute: bool, addresses: Sequence[Address]
+    ) -> int:
+        """Replace every tensor (in place) by its weighted mean in fp32 (buffers, the initial weights, the global
+        model lent between averagings); a group with ``contribute=False`` sends zeros. Returns the bytes sent."""
+        sources = [t.float() if contribute else torch.zeros_like(t, dtype=torch.float32) for t in tensors]
+        means, sent = self._means(sources, contributors, addresses, "float32")
+        for tensor, mean in zip(tensors, means, strict=True):
+            tensor.copy_(mean)
+        return sent
+
+    @torch.no_grad()
+    def _means(
+        self, tensors: list[torch.Tensor], contributors: int, addresses: Sequence[Address], sync_dtype: str
+    ) -> tuple[list[torch.Tensor], int]:
+        means: list[torch.Tensor] = []
+        sent = 0
+        for start, stop in self._buckets(addresses):
+            bucket = tensors[start:stop]
+            flats = [t.reshape(-1) for t in bucket]
+            results, nbytes = self._mean_flat(flats, contributors, tuple(addresses[start:stop]), sync_dtype)
+            means += [r.view_as(t) for r, t in zip(results, bucket, strict=True)]
+            sent += nbytes
+        return means, sent
+
+    def _buckets(self, addresses: Sequence[Address]) -> list[tuple[int, int]]:
+        """Runs of whole tensors of at most ``bucket_bytes`` fp32 (global sizes: the same runs on every rank)."""
+        runs, start, size = [], 0, 0
+        for i, address in enumerate(addresses):
+            if i > start and size + address.numel * 4 > self.bucket_bytes:
+                runs.append((start, i))
+                start, size = i, 0
+            size += address.numel * 4
+        if start < len(addresses):
+            runs.append((start, len(addresses)))
+        return runs
+
+    def _mean_flat(
+        self, flats: list[torch.Tensor], contributors: int, addresses: tuple[Address, ...], sync_dtype: str
+    ) -> tuple[list[torch.Tensor], int]:
+        """The three all-to-alls of the module docstring over one bucket of flat fp32 tensors."""
+        pieces = plan(addresses, self.groups)
+        offsets = [self.offset(a, f) for a, f in zip(addresses, flats, strict=True)]
+        device = flats[0].device
+
+        def values(piece: Piece) -> torch.Tensor:
+            lo = piece.start - offsets[piece.tensor]
+            return flats[piece.tensor][lo : lo + piece.numel]
+
+        mine = [p for p in pieces if p.designated(self.group) == self.me]
+        encoded = {p: _to_bytes(values(p), sync_dtype) for p in mine}
+        copies = self._route(pieces, self._to_owner, encoded, sync_dtype, device)
+        means = {
+            p: self._owner_mean(p, encoded[p], copies, contributors, sync_dtype) for p in mine if p.owner == self.group
+        }
+        back = self._route(pieces, self._from_owner, means, sync_dtype, device)
+        means.update({p: data for (p, _), data in back.items()})
+        fanned = self._route(pieces, self._to_replicas, means, sync_dtype, device)
+        means.update({p: data for (p, _), data in fanned.items()})
+        results = [f.clone() for f in flats]
+        for piece, data in means.items():
+            lo = piece.start - offsets[piece.tensor]
+            results[piece.tensor][lo : lo + piece.numel] = _from_bytes(data, piece.numel, sync_dtype)
+        return results, sum(_encoded_bytes(p.numel, sync_dtype) for p in mine)
+
+    def _to_owner(self, piece: Piece) -> list[tuple[int, int]]:
+        """Phase 1: each other group's designated holder → the owner's."""
+        owner = piece.designated(piece.owner)
+        return [(piece.designated(g), owner) for g in range(len(self.groups)) if g != piece.owner]
+
+    def _from_owner(self, piece: Piece) -> list[tuple[int, int]]:
+        """Phase 2: the owner's designated holder → each other group's."""
+        return [(target, source) for source, target in self._to_owner(piece)]
+
+    @staticmethod
+    def _to_replicas(piece: Piece) -> list[tuple[int, int]]:
+        """Phase 3: each group's designated holder → the group's other holders of the piece."""
+        return [(holders[0], other) for holders in piece.holders for other in holders[1:]]
+
+    def _owner_mean(
+        self,
+        piece: Piece,
+        own: torch.Tensor,
+        copies: dict[tuple[Piece, int], torch.Tensor],
+        contributors: int,
+        sync_dtype: str,
+    ) -> torch.Tensor:
+        """Σ_g w_g · D(E(x_g)) / W in group order (this group's own copy decoded from its own bytes), encoded once."""
+        total = torch.zeros(piece.numel, dtype=torch.float32, device=own.device)
+        for g, shape in enumerate(self.groups):
+            data = own if g == self.group else copies[(piece, g)]
+            total += shape.weight * _from_bytes(data, piece.numel, sync_dtype)
+        return _to_bytes(total / contributors, sync_dtype)
+
+    def _route(
+        self,
+        pieces: Sequence[Piece],
+        transfers: Transfers,
+        payloads: dict[Piece, torch.Tensor],
+        sync_dtype: str,
+        device: torch.device,
+    ) -> dict[tuple[Piece, int], torch.Tensor]:
+        """One all-to-all over the world: each piece's bytes go along its ``transfers`` (source, target) pairs.
+
+        Returns what this rank received, by (piece, the sender's group). No collective where the plan has no
+        transfer (a function of the plan: the same on every rank).
+        """
+        size = self.world.size()
+        outgoing: list[list[torch.Tensor]] = [[] for _ in range(size)]
+        incoming: list[list[tuple[Piece, int]]] = [[] for _ in range(size)]
+        routed = False
+        for piece in pieces:
+            for source, target in transfers(piece):
+                routed = True
+                if source == self.me:
+                    outgoing[target].append(payloads[piece])
+                if target == self.me:
+                    incoming[source].append((piece, _encoded_bytes(piece.numel, sync_dtype)))
+        if not routed:
+            return {}
+        empty = torch.empty(0, dtype=torch.uint8, device=device)
+        send = [torch.cat(parts) if parts else empty for parts in outgoing]
+        output = torch.empty(sum(n for row in incoming for _, n in row), dtype=torch.uint8, device=device)
+        self.world.all_to_all_v(
+            output, torch.cat(send), [sum(n for _, n in row) for row in incoming], [s.numel() for s in send]
+        )
+        received, cursor = {}, 0
+        for source, row in enumerate(incoming):
+            for piece, nbytes in row:
+                received[(piece, self._group_of[source])] = output[cursor : cursor + nbytes]
+                cursor += nbytes
+        return received

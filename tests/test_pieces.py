@@ -1,0 +1,179 @@
+"""The exchange between groups of unequal size (`hf_fedshard.engine.pieces`), in one process with fake ranks.
+
+Every group holds each tensor as FSDP2 would (``Shard(0)`` by ``torch.chunk`` over its shard ranks, on each of its
+replicas; buffers whole on every rank); the tests pin the weighted rule on the whole tensors, not on the pieces.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_fedshard.engine import pieces
+from hf_fedshard.engine.pieces import Address, GroupShape, PieceExchange, plan
+from hf_fedshard.errors import ConfigError
+
+from .fake_communicator import run_ranks
+
+# (rows, columns, sharded): odd row counts so that groups of 4, 2 and 3 cut them at different rows; a tensor with
+# fewer rows than a group has shards (FSDP2 leaves the last shards empty); a buffer held whole.
+TENSORS = [(7, 3, True), (16, 5, True), (2, 4, True), (5, 1, False), (33, 64, True)]
+
+
+def layout(sizes: list[int], shard: int | None) -> list[GroupShape]:
+    groups, first = [], 0
+    for size in sizes:
+        groups.append(GroupShape(tuple(range(first, first + size)), size if shard is None else shard))
+        first += size
+    return groups
+
+
+def whole(group: int, index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Group ``group``'s whole tensor ``index``: different in every group and every element."""
+    rows, cols, _ = TENSORS[index]
+    gen = torch.Generator().manual_seed(1000 * group + index)
+    return torch.randn(rows, cols, generator=gen).to(dtype)
+
+
+def local(full: torch.Tensor, shape: GroupShape, rank: int, sharded: bool) -> torch.Tensor:
+    """What ``rank`` holds of ``full`` under FSDP2."""
+    if not sharded:
+        return full.clone()
+    chunks = torch.chunk(full, shape.shard_size)
+    shard = shape.ranks.index(rank) % shape.shard_size
+    return chunks[shard].clone() if shard < len(chunks) else full[:0].clone()
+
+
+def exchange(sizes, shard, sync_dtype, contribute=None, plain=False):
+    """Every rank's (means, bytes sent) of the tensors of `TENSORS`; ``contribute[g]`` False: group g sends zeros."""
+    groups = layout(sizes, shard)
+    addresses = [Address(r * c, r, sharded) for r, c, sharded in TENSORS]
+    contribute = contribute or [True] * len(groups)
+    weight = sum(g.weight for g, c in zip(groups, contribute, strict=True) if c)
+
+    def rank_fn(world):
+        group = next(g for g, shape in enumerate(groups) if world.rank() in shape.ranks)
+        mine = [
+            local(whole(group, i), groups[group], world.rank(), sharded) for i, (_, _, sharded) in enumerate(TENSORS)
+        ]
+        ex = PieceExchange(world, groups, group, sync_dtype)
+        if plain:
+            sent = ex.plain_mean(mine, weight, contribute[group], addresses)
+            return group, mine, sent
+        if not contribute[group]:
+            mine = [torch.zeros_like(t) for t in mine]
+        means, sent = ex.mean(mine, weight, addresses)
+        return group, means, sent
+
+    return groups, run_ranks(sum(sizes), rank_fn)
+
+
+def expected(groups, index, contribute=None, sync_dtype="float32") -> torch.Tensor:
+    """Σ_g w_g · x_g / W in group order, in fp32 (bf16: each x_g and the mean rounded elementwise)."""
+    contribute = contribute or [True] * len(groups)
+    total = torch.zeros_like(whole(0, index))
+    for g, shape in enumerate(groups):
+        x = whole(g, index) if contribute[g] else torch.zeros_like(total)
+        if sync_dtype == "bfloat16":
+            x = x.bfloat16().float()
+        total += shape.weight * x
+    mean = total / sum(s.weight for s, c in zip(groups, contribute, strict=True) if c)
+    return mean.bfloat16().float() if sync_dtype == "bfloat16" else mean
+
+
+@pytest.mark.parametrize(
+    "sizes, shard", [([4, 2, 2], None), ([4, 2, 2], 2), ([3, 1], None), ([2, 2], None), ([1, 3, 2], 1)]
+)
+@pytest.mark.parametrize("sync_dtype", ["float32", "bfloat16"])
+def test_every_rank_gets_the_weighted_mean_of_the_whole_tensors_to_the_bit(sizes, shard, sync_dtype, monkeypatch):
+    monkeypatch.setattr(pieces, "SPLIT_VALUES", 64)  # cut the large pieces G ways, as a real model's are
+    groups, results = exchange(sizes, shard, sync_dtype)
+    for rank, (group, means, _) in enumerate(results):
+        for i, (_, _, sharded) in enumerate(TENSORS):
+            want = local(expected(groups, i, sync_dtype=sync_dtype), groups[group], rank, sharded)
+            assert torch.equal(means[i], want), f"rank {rank}, tensor {i}"
+
+
+def test_int8_groups_decode_the_same_bytes_and_stay_within_the_codec_error(monkeypatch):
+    monkeypatch.setattr(pieces, "SPLIT_VALUES", 64)
+    groups, results = exchange([4, 2, 2], None, "int8")
+    for i, (_, _, sharded) in enumerate(TENSORS):
+        want = expected(groups, i)
+        assembled = {}
+        for rank, (group, means, _) in enumerate(results):
+            got = means[i]
+            ref = local(want, groups[group], rank, sharded)
+            assembled.setdefault(group, []).append((rank, got))
+            if not got.numel():
+                continue
+            # two int8 roundings, each off by at most half a block's scale: max|x| / 127 / 2
+            bound = 2 * max(whole(g, i).abs().max().item() for g in range(3)) / 127
+            assert (got - ref).abs().max().item() <= bound
+        # every group holds the same values, to the bit: reassemble each group's whole tensor and compare
+        if sharded:
+            fulls = [torch.cat([t for _, t in sorted(parts)][: groups[g].shard_size]) for g, parts in assembled.items()]
+            assert all(torch.equal(fulls[0], f) for f in fulls[1:]), f"tensor {i}"
+
+
+def test_a_group_that_sends_zeros_is_left_out_of_the_weights():
+    groups, results = exchange([4, 2, 2], None, "float32", contribute=[True, False, True])
+    for rank, (group, means, _) in enumerate(results):
+        want = local(expected(groups, 1, contribute=[True, False, True]), groups[group], rank, True)
+        assert torch.equal(means[1], want)
+
+
+def test_plain_mean_replaces_in_place_in_the_tensor_dtype():
+    groups, results = exchange([3, 1], None, "float32", plain=True)
+    for rank, (group, tensors, _) in enumerate(results):
+        assert torch.equal(tensors[0], local(expected(groups, 0), groups[group], rank, True))
+
+
+def test_each_piece_is_sent_once_per_group_and_the_bytes_are_the_groups_payload():
+    """The bytes a group's ranks count are its payload once: the model's size, whatever its shards or replicas."""
+    _, results = exchange([4, 2, 2], 2, "float32")
+    numel = sum(r * c for r, c, _ in TENSORS)
+    for g in range(3):
+        assert sum(sent for group, _, sent in results if group == g) == 4 * numel
+
+
+def test_the_plan_is_a_function_of_the_layout_and_every_piece_has_one_shard_per_group():
+    groups = tuple(layout([4, 2, 2], None))
+    addresses = tuple(Address(r * c, r, s) for r, c, s in TENSORS)
+    pieces_ = plan(addresses, groups)
+    assert pieces_ == plan(addresses, tuple(layout([4, 2, 2], None)))
+    for piece in pieces_:
+        for shape, holders in zip(groups, piece.holders, strict=True):
+            for rank in holders:
+                k = shape.ranks.index(rank) % shape.shard_size
+                start, stop = shape.span(addresses[piece.tensor], k)
+                assert start <= piece.start and piece.stop <= stop
+    covered = {i: sum(p.numel for p in pieces_ if p.tensor == i) for i in range(len(TENSORS))}
+    assert covered == {i: a.numel for i, a in enumerate(addresses)}
+    assert {p.owner for p in pieces_} == {0, 1, 2}
+
+
+def test_a_shard_that_is_not_fsdp2s_is_refused_before_any_collective():
+    groups = layout([2, 1], None)
+    ex = PieceExchange(_Solo(), groups, 0)
+    with pytest.raises(ConfigError, match=r"fed_group_size: this rank holds 3 values .* gives 6"):
+        ex.mean([torch.zeros(3)], 3, [Address(12, 4, True)])
+
+
+class _Solo:
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 3
+
+    def all_to_all_v(self, *args) -> None:
+        raise AssertionError("no collective before the shards are checked")
+
+
+def test_split_pieces_fall_on_the_int8_block_grid(monkeypatch):
+    monkeypatch.setattr(pieces, "SPLIT_VALUES", 64)
+    parts = pieces._parts(0, 1000, 3)
+    assert [a for a, _ in parts] == [0, 512] and parts[-1][1] == 1000
+    assert all(a % 256 == 0 for a, _ in parts) and math.prod(b > a for a, b in parts)
