@@ -63,6 +63,58 @@ def test_layout_errors_name_the_setting_and_the_fix(world, group, shard, message
     assert "Set --fed_" in str(err.value)
 
 
+def test_groups_of_unequal_size_have_their_own_shards_replicas_and_ranks():
+    layout = FederationLayout(8, (4, 2, 2), 2)
+    assert (layout.num_groups, layout.group_sizes, layout.method) == (3, (4, 2, 2), "FL+HSDP")
+    assert [layout.replicas_of(g) for g in range(3)] == [2, 1, 1]
+    assert [layout.group_index(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 2, 2]
+    assert [layout.position(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 0, 1]
+    assert layout.ranks_of(2) == (6, 7)
+    assert (
+        layout.describe()
+        == "FL+HSDP, groups of unequal size: WORLD_SIZE(8) = 2×2 + 1×2 + 1×2 (replicas × shards per group)"
+    )
+    fsdp = FederationLayout(8, (4, 2, 2))
+    assert ([fsdp.shard_of(g) for g in range(3)], fsdp.method) == ([4, 2, 2], "FL+FSDP")
+    config = parallelism_config(fsdp, rank=5)
+    assert (config.dp_replicate_size, config.dp_shard_size, config.total_size) == (1, 2, 8)
+    assert config.layout == fsdp
+    assert FederationLayout(8, (2, 2, 2, 2)) == FederationLayout(8, 2)  # equal sizes are the equal layout
+
+
+@pytest.mark.parametrize(
+    ("sizes", "shard", "message"),
+    [
+        ("4,2,1", None, r"fed_group_size=4,2,1 sums to 7 ranks, but WORLD_SIZE=8: .* Give sizes that add up to 8"),
+        ("4,0,4", None, r"fed_group_size=4,0,4: every group needs at least one rank. Drop the empty group"),
+        ("4,2,2", 4, r"fed_group_size=4,2,2: fed_shard_size=4 must divide every group's size .* Pick a common"),
+        ("4,x", None, r"fed_group_size='4,x' is not a size or a comma-separated list of sizes: e.g. --fed_group"),
+    ],
+)
+def test_unequal_group_sizes_are_refused_in_one_line(tmp_path, monkeypatch, sizes, shard, message):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match=message):
+        parse(tmp_path, "--fed_group_size", sizes, *([] if shard is None else ["--fed_shard_size", str(shard)]))
+
+
+def test_unequal_group_sizes_parse_from_the_command_line_and_torchft_refuses_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert _group_sizes_of(tmp_path, "1") == 1
+    with pytest.raises(ValueError, match=r"fed_group_size=4,2,2 lists groups of one job, but with fed_transport"):
+        parse(tmp_path, "--fed_group_size", "4,2,2", "--fed_transport", "torchft", "--fed_lighthouse",
+              "http://h:1", "--fed_group_id", "0", "--fed_num_groups", "3")  # fmt: skip
+
+
+def _group_sizes_of(tmp_path, value: str):
+    return parse(tmp_path, "--fed_group_size", value).fed_group_size
+
+
+def parse(tmp_path, *argv: str) -> FedShardTrainingArguments:
+    parser = HfArgumentParser(FedShardTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--report_to", "none", *argv])
+    return args
+
+
 @pytest.fixture
 def world4(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -244,6 +244,13 @@ def layout_record(layout: FederationLayout, model: nn.Module, data: dict[str, in
     }
 
 
+def recorded_layout(saved: dict[str, Any]) -> FederationLayout:
+    """The layout a ``fed_layout.json`` records (JSON keeps the sizes of groups of unequal size as a list)."""
+    size = saved["fed_group_size"]
+    size = tuple(size) if isinstance(size, list) else size
+    return FederationLayout(saved["world_size"], size, saved["fed_shard_size"])
+
+
 def write_layout_record(checkpoint: str, layout: FederationLayout, model: nn.Module, data: dict[str, int]) -> None:
     with open(os.path.join(checkpoint, FED_LAYOUT_NAME), "w") as f:
         json.dump(layout_record(layout, model, data), f, indent=2)
@@ -281,19 +288,19 @@ def check_resumable(checkpoint: str, layout: FederationLayout, model: nn.Module)
 def check_layout_matches(saved: dict[str, Any], layout: FederationLayout, checkpoint: str) -> None:
     """A checkpoint of an earlier release (outer state per position) fits only its own world, group and shard
     sizes; and one group resumes no federated checkpoint."""
-    now = (layout.world_size, layout.group_size, layout.shard_size)
-    then = (saved["world_size"], saved["fed_group_size"], saved["fed_shard_size"])
-    if now != then:
+    then = recorded_layout(saved)
+    if layout != then:
         why = (
             "one group (no federation) does not resume a federated checkpoint"
             if not layout.federated
             else "its outer state (fed_outer/position*.pt, an earlier release's format) fits only that layout"
         )
         raise ConfigError(
-            f"resume_from_checkpoint={checkpoint} was written with fed_group_size={then[1]}, "
-            f"fed_shard_size={then[2]} on WORLD_SIZE={then[0]}, but this run has fed_group_size={now[1]}, "
-            f"fed_shard_size={now[2]} on WORLD_SIZE={now[0]}, and {why}. Relaunch on {then[0]} ranks with "
-            f"--fed_group_size {then[1]} --fed_shard_size {then[2]}, or use another output_dir."
+            f"resume_from_checkpoint={checkpoint} was written with fed_group_size={then.group_size_arg}, "
+            f"fed_shard_size={then.shard_size} on WORLD_SIZE={then.world_size}, but this run has fed_group_size="
+            f"{layout.group_size_arg}, fed_shard_size={layout.shard_size} on WORLD_SIZE={layout.world_size}, and "
+            f"{why}. Relaunch on {then.world_size} ranks with --fed_group_size {then.group_size_arg} "
+            f"--fed_shard_size {then.shard_size}, or use another output_dir."
         )
 
 

@@ -38,6 +38,7 @@ from hf_fedshard.checkpointing.checkpoint import (
     load_group_optimizer,
     read_layout_record,
     reading,
+    recorded_layout,
 )
 from hf_fedshard.engine.payload import model_state_tensors, optimizer_state_tensors
 from hf_fedshard.transports.mesh import FederationLayout
@@ -57,14 +58,10 @@ class LayoutChange:
         return int(self.saved["num_groups"])
 
     def old_layout(self) -> str:
-        saved = self.saved
-        shards = f", shards of {saved['fed_shard_size']}" if saved["fed_shard_size"] != saved["fed_group_size"] else ""
-        return f"{saved['method']}, {saved['num_groups']} groups × {saved['fed_group_size']} ranks{shards}"
+        return recorded_layout(self.saved).summary()
 
     def new_layout(self) -> str:
-        layout = self.layout
-        shards = f", shards of {layout.shard_size}" if layout.shard_size != layout.group_size else ""
-        return f"{layout.method}, {layout.num_groups} groups × {layout.group_size} ranks{shards}"
+        return self.layout.summary()
 
 
 def checkpoint_step(checkpoint: str) -> int:
@@ -78,9 +75,7 @@ def changes_layout(saved: dict | None, layout: FederationLayout) -> bool:
     """Whether a checkpoint's record (``fed_layout.json``) is of another world, group or shard size."""
     if saved is None:
         return False
-    return (saved["world_size"], saved["fed_group_size"], saved["fed_shard_size"]) != (
-        layout.world_size, layout.group_size, layout.shard_size,
-    )  # fmt: skip
+    return recorded_layout(saved) != layout
 
 
 def layout_change(checkpoint: str, layout: FederationLayout) -> LayoutChange | None:
@@ -94,10 +89,9 @@ def layout_change(checkpoint: str, layout: FederationLayout) -> LayoutChange | N
 def groups_held_global_model(change: LayoutChange) -> bool:
     """Whether every group held the global model at the save: all fragments averaged at its step, none in flight."""
     synced = read_counters(change.checkpoint, 0, 0)["synced_at"]
-    group_size = change.saved["fed_group_size"]
+    old = recorded_layout(change.saved)
     in_flight = any(
-        os.path.isfile(in_flight_path(change.checkpoint, rank // group_size, rank))
-        for rank in range(change.saved["world_size"])
+        os.path.isfile(in_flight_path(change.checkpoint, old.group_index(rank), rank)) for rank in range(old.world_size)
     )
     return all(int(s) == change.step for s in synced) and not in_flight
 

@@ -157,7 +157,8 @@ def _checksum_problem(checkpoint: str, layout: FederationLayout, rank: int) -> s
         return checksum_problem(checkpoint, files, list(files)[rank :: layout.world_size])
     shared = _shared_files(files)
     own = [path for path in _files_read_by(files, layout, rank, False) if path not in shared]
-    share = shared[rank :: layout.world_size] + own[layout.position(rank) :: layout.group_size]
+    group_size = layout.size_of(layout.group_index(rank))
+    share = shared[rank :: layout.world_size] + own[layout.position(rank) :: group_size]
     return checksum_problem(checkpoint, files, share)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -43,8 +44,10 @@ class FedShardArgumentsMixin:
     """The federation settings of FL+FSDP / FL+HSDP, for any `TrainingArguments` subclass (bases: mixin first).
 
     Federation layout:
-        fed_group_size (`int`, *optional*): ranks per federation group (contiguous ranks, e.g. one node).
-            `None` or the world size means one group: plain FSDP/HSDP, no averaging.
+        fed_group_size (`int` or `str`, *optional*): ranks per federation group (contiguous ranks, e.g. one
+            node). `None` or the world size means one group: plain FSDP/HSDP, no averaging. A comma-separated
+            list (``"4,2,2"``, or a tuple) gives each group its own size, in rank order: groups of unequal size,
+            averaged by the samples each trained on (`hf_fedshard.engine.pieces`).
         fed_shard_size (`int`, *optional*): ranks sharding one model copy inside a group. `None` means the
             group size (FL+FSDP); a divisor of it gives FL+HSDP with `fed_group_size // fed_shard_size`
             replicas per group.
@@ -113,9 +116,12 @@ class FedShardArgumentsMixin:
           whole world (the slow tier) at every step; each rank normalises its loss by its own tokens.
     """
 
-    fed_group_size: int | None = field(
+    fed_group_size: int | str | None = field(
         default=None,
-        metadata={"help": "Ranks per federation group (e.g. GPUs per node). Default: the world (no federation)."},
+        metadata={
+            "help": "Ranks per federation group (e.g. GPUs per node), or each group's, e.g. 4,2,2 (groups of "
+            "unequal size, in rank order). Default: the world (no federation)."
+        },
     )
     fed_shard_size: int | None = field(
         default=None,
@@ -221,6 +227,7 @@ class FedShardArgumentsMixin:
 
     def __post_init__(self) -> None:
         # Adjust FSDP, use_cpu and token averaging before TrainingArguments reads them.
+        self.fed_group_size = _group_sizes(self.fed_group_size)
         self._check_transport()
         if self.fed_elastic:  # every group writes its own checkpoints, logs and exports: no barrier across groups
             self.output_dir = os.path.join(self.output_dir or "trainer_output", f"fed_group{self.fed_group_id}")
@@ -250,6 +257,12 @@ class FedShardArgumentsMixin:
         super().__post_init__()
         if self.fed_elastic:
             self._check_elastic_schedule()
+        if self.fed_eval_per_group and not layout.equal:
+            raise ConfigError(
+                f"fed_eval_per_group gathers each group's metrics over rank r of every group, which groups of unequal "
+                f"size (fed_group_size={','.join(map(str, layout.group_sizes))}) do not pair. Turn "
+                "--fed_eval_per_group off: the global model is still evaluated."
+            )
         if self.fed_eval_per_group and not self.fed_evaluates_groups:
             _notice(
                 "fed_eval_per_group has no effect %s",
@@ -358,6 +371,12 @@ class FedShardArgumentsMixin:
                 f"{self.fed_num_groups}). Give each launch its own id below --fed_num_groups."
             )
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if isinstance(self.fed_group_size, tuple):
+            raise ConfigError(
+                f"fed_group_size={','.join(map(str, self.fed_group_size))} lists groups of one job, but with "
+                "fed_transport torchft every launch is one group, of any size: drop --fed_group_size and launch "
+                "each group with its own number of ranks (groups of unequal size under torchft are not built yet)."
+            )
         if self.fed_group_size not in (None, world):
             raise ConfigError(
                 f"fed_group_size={self.fed_group_size} but this launch has WORLD_SIZE={world}: with fed_transport "
@@ -443,6 +462,21 @@ class FedShardArgumentsMixin:
         if _env_flag("ACCELERATE_USE_FSDP"):
             return int(os.environ.get("FSDP_VERSION", "1"))
         return None
+
+
+def _group_sizes(value: int | str | Sequence[int] | None) -> int | tuple[int, ...] | None:
+    """``fed_group_size`` as given on the command line ("2", "4,2,2") or in code: an int, or one size per group."""
+    if value is None or isinstance(value, int):
+        return value
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        sizes = tuple(int(part) for part in parts)
+    except ValueError:
+        raise ConfigError(
+            f"fed_group_size={value!r} is not a size or a comma-separated list of sizes: e.g. --fed_group_size 4 "
+            "(groups of 4 ranks) or --fed_group_size 4,2,2 (one size per group)."
+        ) from None
+    return sizes[0] if len(sizes) == 1 else sizes
 
 
 @dataclass

@@ -132,23 +132,27 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
     The federation rows (groups, H, inter-group traffic) only where there was a federation.
     """
     args, layout, history = trainer.args, trainer.fed_layout, trainer.state.log_history
-    group_batch = args.per_device_train_batch_size * layout.group_size * args.gradient_accumulation_steps
-    samples_seen = trainer.state.global_step * group_batch * layout.num_groups
+    per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    samples_seen = trainer.state.global_step * per_rank * layout.world_size
     train, evaluation, fed = _last(history, "train_runtime"), _last(history, "eval_loss"), _last(history, "fed_syncs")
     wall_s = training_wall_seconds(history)
-    tokens = f" ({group_batch * tokens_per_sample:,} tokens)" if tokens_per_sample else ""
+    sizes = sorted(set(layout.group_sizes), reverse=True)  # groups of unequal size: each size's batch
+    group_batch = "/".join(str(per_rank * size) for size in sizes)
+    if tokens_per_sample:
+        group_batch += f" ({'/'.join(f'{per_rank * size * tokens_per_sample:,}' for size in sizes)} tokens)"
     rows = [("Method", setup_description(trainer)), ("World size (ranks)", str(layout.world_size))]
     if layout.federated:
+        shards = "each group's own" if layout.shard_size is None else str(layout.shard_size)
         rows += [
             ("Federation groups", str(layout.num_groups)),
-            ("Group size (ranks)", str(layout.group_size)),
-            ("Shard size (ranks)", str(layout.shard_size)),
+            ("Group size (ranks)", layout.group_size_arg),
+            ("Shard size (ranks)", shards),
             ("H (optimizer steps between averagings)", str(args.fed_sync_steps)),
-            ("Group batch (samples per optimizer step)", f"{group_batch}{tokens}"),
+            ("Group batch (samples per optimizer step)", group_batch),
             ("Averaging", _averaging(trainer)),
         ]
     else:
-        rows.append(("Batch (samples per optimizer step)", f"{group_batch}{tokens}"))
+        rows.append(("Batch (samples per optimizer step)", group_batch))
     rows += [
         ("Optimizer steps", str(trainer.state.global_step)),
         ("Tokens seen (world)", f"{samples_seen * tokens_per_sample:,}" if tokens_per_sample else "—"),

@@ -64,7 +64,7 @@ def use_federation_mesh(accelerator: Accelerator, layout: FederationLayout) -> D
             f"WORLD_SIZE({layout.world_size}) != Accelerate's num_processes({accelerator.num_processes}). "
             "Launch every process with torchrun or accelerate launch."
         )
-    config = parallelism_config(layout)
+    config = parallelism_config(layout, accelerator.process_index)
     accelerator.state.parallelism_config = config
     accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
     return accelerator.state.device_mesh
@@ -96,14 +96,19 @@ def world_data_view(
 class FederatedParallelismConfig(ParallelismConfig):
     """Accelerate's ``ParallelismConfig`` with one more axis, ``fed``, outside the FSDP axes.
 
-    ``dp_replicate_size`` and ``dp_shard_size`` describe one group, as Accelerate would for a job of that
-    group alone; ``total_size`` counts the groups so that it equals the world size.
+    ``dp_replicate_size`` and ``dp_shard_size`` describe this rank's group, as Accelerate would for a job of that
+    group alone; ``total_size`` counts every group so that it equals the world size (``fed_size`` groups of equal
+    size, or the ``fed_group_sizes`` of groups of unequal size).
     """
 
     fed_size: int = 1
+    fed_group_sizes: tuple[int, ...] | None = None
+    fed_shard_size: int | None = None  # with fed_group_sizes: the setting (None: each group shards over itself)
 
     @property
     def total_size(self) -> int:
+        if self.fed_group_sizes is not None:
+            return sum(self.fed_group_sizes)
         return self.fed_size * super().total_size
 
     @property
@@ -117,16 +122,24 @@ class FederatedParallelismConfig(ParallelismConfig):
         return [MeshAxis.REPLICATE.value, MeshAxis.SHARD.value] if self.dp_replicate_enabled else [MeshAxis.SHARD.value]
 
     def build_device_mesh(self, device_type: str) -> DeviceMesh:
-        layout = FederationLayout(
-            world_size=self.total_size,
-            group_size=self.dp_replicate_size * self.dp_shard_size,
-            shard_size=self.dp_shard_size,
-        )
-        return layout.build_mesh(device_type)
+        return self.layout.build_mesh(device_type)
+
+    @property
+    def layout(self) -> FederationLayout:
+        """The federation this config describes."""
+        if self.fed_group_sizes is not None:
+            return FederationLayout(self.total_size, self.fed_group_sizes, self.fed_shard_size)
+        group = self.dp_replicate_size * self.dp_shard_size
+        return FederationLayout(world_size=self.total_size, group_size=group, shard_size=self.dp_shard_size)
 
 
-def parallelism_config(layout: FederationLayout) -> FederatedParallelismConfig:
-    """Accelerate's view of ``layout``: one group's FSDP axes, and the groups as the ``fed`` axis."""
+def parallelism_config(layout: FederationLayout, rank: int = 0) -> FederatedParallelismConfig:
+    """Accelerate's view of ``layout`` from ``rank``: its group's FSDP axes, and the groups as the ``fed`` axis."""
+    group = layout.group_index(rank)
     return FederatedParallelismConfig(
-        dp_replicate_size=layout.replicas, dp_shard_size=layout.shard_size, fed_size=layout.num_groups
+        dp_replicate_size=layout.replicas_of(group),
+        dp_shard_size=layout.shard_of(group),
+        fed_size=layout.num_groups,
+        fed_group_sizes=None if layout.equal else layout.group_sizes,
+        fed_shard_size=layout.shard_size,
     )

@@ -184,13 +184,16 @@ class FedShardMixin(Trainer):
             self.fed_mesh = use_federation_mesh(self.accelerator, self.args.fed_launch_layout)
 
     def _batch_arithmetic(self) -> str:
-        group_batch = (
-            self.args.per_device_train_batch_size * self.fed_layout.group_size * self.args.gradient_accumulation_steps
+        layout, batch, accumulation = (
+            self.fed_layout,
+            self.args.per_device_train_batch_size,
+            self.args.gradient_accumulation_steps,
         )
+        ranks = "/".join(map(str, sorted(set(layout.group_sizes), reverse=True)))
+        batches = "/".join(str(batch * size * accumulation) for size in sorted(set(layout.group_sizes), reverse=True))
         return (
-            f"group batch = {self.args.per_device_train_batch_size} per device × {self.fed_layout.group_size} "
-            f"ranks × {self.args.gradient_accumulation_steps} accumulation = {group_batch} samples per "
-            f"optimizer step; the world reads {group_batch * self.fed_layout.num_groups} samples per step"
+            f"group batch = {batch} per device × {ranks} ranks × {accumulation} accumulation = {batches} samples per "
+            f"optimizer step; the world reads {batch * layout.world_size * accumulation} samples per step"
         )
 
     def _get_dataloader(self, dataset: Any, description: str, *args: Any, **kwargs: Any):
@@ -214,12 +217,12 @@ class FedShardMixin(Trainer):
         # Per-step metric gathers in compute_loss (TRL's token accuracy, entropy) stay inside the group.
         if self.fed_callback is None:
             return super().training_step(*args, **kwargs)
-        with gathers_within_group(self.accelerator, self._group_pg if self.fed_layout.group_size > 1 else None):
+        with gathers_within_group(self.accelerator, self._group_pg if self._group_size > 1 else None):
             return super().training_step(*args, **kwargs)
 
     def _evaluate_each_group(self) -> None:
         """Evaluate every group's own model (the averager calls this before the global model is evaluated)."""
-        group = self._group_pg if self.fed_layout.group_size > 1 else None
+        group = self._group_pg if self._group_size > 1 else None
         metrics = evaluate_each_group(self, group, self.fed_communicator.peers)
         self._group_eval = (self.state.global_step, metrics)
 
@@ -394,6 +397,11 @@ class FedShardMixin(Trainer):
     def _group_pg(self) -> ProcessGroup:
         """The ranks of this rank's federation group: each group checkpoints over its own ranks."""
         return group_process_group(self.fed_mesh)
+
+    @property
+    def _group_size(self) -> int:
+        """The ranks of this rank's group (groups may differ in size)."""
+        return self.fed_layout.size_of(self._group_index)
 
     @property
     def _group_index(self) -> int:

@@ -34,6 +34,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hf_fedshard.engine.communicator import FederationCommunicator, ProcessGroupCommunicator
+from hf_fedshard.engine.pieces import GroupShape
 from hf_fedshard.errors import ConfigError
 
 
@@ -55,26 +56,32 @@ class FederationLayout:
 
     Args:
         world_size: number of ranks in the job.
-        group_size: ranks per federation group (``fed_group_size``); ``None`` means one group of the world.
+        group_size: ranks per federation group (``fed_group_size``); ``None`` means one group of the world; a
+            tuple gives each group its own size (groups of unequal size, in rank order; equal sizes are the int).
         shard_size: ranks sharding one model copy inside a group (``fed_shard_size``); ``None`` means the
             whole group (FL+FSDP); smaller gives FL+HSDP with ``group_size // shard_size`` replicas.
     """
 
     world_size: int
-    group_size: int | None = None
+    group_size: int | tuple[int, ...] | None = None
     shard_size: int | None = None
 
     def __post_init__(self) -> None:
-        group = self.world_size if self.group_size is None else self.group_size
-        object.__setattr__(self, "group_size", group)
-        object.__setattr__(self, "shard_size", group if self.shard_size is None else self.shard_size)
         if self.world_size < 1:
             raise ConfigError(f"WORLD_SIZE must be at least 1, got {self.world_size}.")
+        group = self.world_size if self.group_size is None else self.group_size
+        if not isinstance(group, int):
+            group = _unequal_sizes(tuple(group), self.world_size, self.shard_size)
+        object.__setattr__(self, "group_size", group)
+        if isinstance(group, tuple):
+            return
+        object.__setattr__(self, "shard_size", group if self.shard_size is None else self.shard_size)
         if not 1 <= group <= self.world_size or self.world_size % group:
             raise ConfigError(
                 f"fed_group_size={group} must divide the world size: WORLD_SIZE({self.world_size}) % "
                 f"fed_group_size({group}) = {self.world_size % group if group >= 1 else 'undefined'}. "
-                f"Set --fed_group_size to a divisor of {self.world_size} (e.g. the ranks per node)."
+                f"Set --fed_group_size to a divisor of {self.world_size} (e.g. the ranks per node), or give "
+                "each group its size (e.g. --fed_group_size 4,2,2)."
             )
         if not 1 <= self.shard_size <= group or group % self.shard_size:
             raise ConfigError(
@@ -90,24 +97,52 @@ class FederationLayout:
         if tuple(mesh.mesh_dim_names or ()) != names:
             raise ConfigError(
                 f"the mesh has axes {mesh.mesh_dim_names}, not {names}. Build it with "
-                "FederationLayout(world_size, group_size).build_mesh(device_type)."
+                "FederationLayout(world_size, group_size).build_mesh(device_type); with groups of unequal size "
+                "(one mesh per group) pass communicator=mesh_communicator(layout, mesh, …) instead of the mesh."
             )
         groups, replicas, shards = mesh.shape
         return cls(groups * replicas * shards, replicas * shards, shards)
 
     @classmethod
-    def from_env(cls, group_size: int | None, shard_size: int | None) -> FederationLayout:
+    def from_env(cls, group_size: int | tuple[int, ...] | None, shard_size: int | None) -> FederationLayout:
         """Layout for the job this process belongs to; reads ``WORLD_SIZE`` so it needs no process group."""
         return cls(int(os.environ.get("WORLD_SIZE", "1")), group_size, shard_size)
 
     @property
+    def equal(self) -> bool:
+        """Whether every group has the same size (rank r of every group then holds the same shards)."""
+        return isinstance(self.group_size, int)
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        return self.group_size if isinstance(self.group_size, tuple) else (self.group_size,) * self.num_groups
+
+    @property
     def num_groups(self) -> int:
-        return self.world_size // self.group_size
+        return len(self.group_size) if isinstance(self.group_size, tuple) else self.world_size // self.group_size
+
+    def size_of(self, group: int) -> int:
+        return self.group_sizes[group]
+
+    def shard_of(self, group: int) -> int:
+        """Ranks sharding one model copy in ``group``: ``fed_shard_size``, else the whole group."""
+        return self.size_of(group) if self.shard_size is None else self.shard_size
+
+    def replicas_of(self, group: int) -> int:
+        """HSDP replicas inside ``group`` (1 for FL+FSDP)."""
+        return self.size_of(group) // self.shard_of(group)
+
+    def first_rank(self, group: int) -> int:
+        return sum(self.group_sizes[:group])
+
+    def ranks_of(self, group: int) -> tuple[int, ...]:
+        start = self.first_rank(group)
+        return tuple(range(start, start + self.size_of(group)))
 
     @property
     def replicas(self) -> int:
-        """HSDP replicas inside one group (1 for FL+FSDP)."""
-        return self.group_size // self.shard_size
+        """HSDP replicas inside one group (1 for FL+FSDP); of the largest group where groups differ in size."""
+        return max(self.replicas_of(g) for g in range(self.num_groups))
 
     @property
     def federated(self) -> bool:
@@ -122,15 +157,19 @@ class FederationLayout:
 
     @property
     def shape(self) -> tuple[int, int, int]:
+        if not self.equal:
+            raise ConfigError("groups of unequal size have no (groups, replicas, shards) shape: one mesh per group.")
         return (self.num_groups, self.replicas, self.shard_size)
 
     def group_index(self, rank: int) -> int:
         """Index of the federation group that ``rank`` belongs to."""
-        return rank // self.group_size
+        if self.equal:
+            return rank // self.group_size
+        return next(g for g in range(self.num_groups) if rank < self.first_rank(g) + self.size_of(g))
 
     def position(self, rank: int) -> int:
         """``rank``'s (replica, shard) position inside its group: the ranks of one position hold the same shards."""
-        return rank % self.group_size
+        return rank - self.first_rank(self.group_index(rank))
 
     def fed_peer_ranks(self) -> list[list[int]]:
         """The ranks of each ``fed`` process group: one list per (replica, shard) position, one rank per group."""
@@ -144,11 +183,30 @@ class FederationLayout:
             for s in range(self.shard_size)
         ]
 
+    @property
+    def group_size_arg(self) -> str:
+        """``fed_group_size`` as it is written on the command line: ``4``, or ``4,2,2`` for groups of unequal size."""
+        return ",".join(map(str, self.group_sizes)) if not self.equal else str(self.group_size)
+
+    def summary(self) -> str:
+        """A few words for a start-up line: ``FL+FSDP, 4 groups × 2 ranks`` (shards and unequal sizes said)."""
+        if not self.equal:
+            shards = "" if self.shard_size is None else f", shards of {self.shard_size}"
+            return f"{self.method}, groups of {self.group_size_arg} ranks{shards}"
+        shards = f", shards of {self.shard_size}" if self.shard_size != self.group_size else ""
+        return f"{self.method}, {self.num_groups} groups × {self.group_size} ranks{shards}"
+
     def describe(self) -> str:
         """One line for the log, with the arithmetic that explains it."""
+        if self.equal:
+            return (
+                f"{self.method}: WORLD_SIZE({self.world_size}) = groups({self.num_groups}) × "
+                f"replicas({self.replicas}) × shards({self.shard_size})"
+            )
+        groups = " + ".join(f"{self.replicas_of(g)}×{self.shard_of(g)}" for g in range(self.num_groups))
         return (
-            f"{self.method}: WORLD_SIZE({self.world_size}) = groups({self.num_groups}) × "
-            f"replicas({self.replicas}) × shards({self.shard_size})"
+            f"{self.method}, groups of unequal size: WORLD_SIZE({self.world_size}) = {groups} "
+            "(replicas × shards per group)"
         )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
@@ -158,15 +216,57 @@ class FederationLayout:
           own timeout, `fed_process_group`).
         - ``mesh["dp_replicate", "dp_shard_cp"]``: the group's FSDP2/HSDP mesh given to ``fully_shard``.
         - ``mesh["dp"]``, ``mesh["dp_cp"]``: the group's data-parallel ranks (Accelerate's loss and metric axes).
+
+        With groups of unequal size there is no world mesh: every rank builds every group's (dp_replicate,
+        dp_shard) mesh, in group order (creating a process group is a collective of the world), and returns its
+        own group's.
         """
+        if not self.equal:
+            meshes = [self._group_mesh(device_type, g) for g in range(self.num_groups)]
+            return meshes[self.group_index(dist.get_rank())]
         mesh = init_device_mesh(
             device_type, self.shape, mesh_dim_names=(MeshAxis.FED.value, MeshAxis.REPLICATE.value, MeshAxis.SHARD.value)
         )
-        mesh[MeshAxis.SHARD.value]._flatten(MeshAxis.SHARD_CP.value)
-        in_group = (MeshAxis.REPLICATE.value, MeshAxis.SHARD.value)
-        mesh[in_group]._flatten(MeshAxis.DATA.value)
-        mesh[in_group]._flatten(MeshAxis.DATA_CP.value)
+        _flatten_group_axes(mesh)
         return mesh
+
+    def _group_mesh(self, device_type: str, group: int) -> DeviceMesh:
+        """``group``'s mesh, built by every rank. Its ``dp_shard_cp`` axis is left out: flattening a slice needs a
+        rank of the group, and no code path reads that name with a federation (it is ``dp_shard`` without context
+        parallelism, which a federation refuses)."""
+        ranks = torch.tensor(self.ranks_of(group)).view(self.replicas_of(group), self.shard_of(group))
+        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=(MeshAxis.REPLICATE.value, MeshAxis.SHARD.value))
+        _flatten_group_axes(mesh, shard_cp=False)
+        return mesh
+
+
+def _flatten_group_axes(mesh: DeviceMesh, shard_cp: bool = True) -> None:
+    """The flattened axes Accelerate looks up by name, over one group's (dp_replicate, dp_shard)."""
+    if shard_cp:
+        mesh[MeshAxis.SHARD.value]._flatten(MeshAxis.SHARD_CP.value)
+    in_group = (MeshAxis.REPLICATE.value, MeshAxis.SHARD.value)
+    mesh[in_group]._flatten(MeshAxis.DATA.value)
+    mesh[in_group]._flatten(MeshAxis.DATA_CP.value)
+
+
+def _unequal_sizes(sizes: tuple[int, ...], world_size: int, shard_size: int | None) -> int | tuple[int, ...]:
+    """``fed_group_size`` given per group, checked; equal sizes come back as the one int."""
+    listed = ",".join(map(str, sizes))
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(
+            f"fed_group_size={listed}: every group needs at least one rank. Drop the empty group(s) from the list."
+        )
+    if sum(sizes) != world_size:
+        raise ConfigError(
+            f"fed_group_size={listed} sums to {sum(sizes)} ranks, but WORLD_SIZE={world_size}: the groups must "
+            f"cover the world. Give sizes that add up to {world_size}."
+        )
+    if shard_size is not None and any(size % shard_size for size in sizes):
+        raise ConfigError(
+            f"fed_group_size={listed}: fed_shard_size={shard_size} must divide every group's size (it is each "
+            "group's FSDP shard, the rest its HSDP replicas). Pick a common divisor, or leave --fed_shard_size unset."
+        )
+    return sizes[0] if len(set(sizes)) == 1 else sizes
 
 
 def fed_process_group(layout: FederationLayout, timeout_s: float) -> ProcessGroup:
@@ -195,8 +295,7 @@ def exchange_process_groups(
 
     Two threads must not issue collectives on one process group (their order could differ between ranks), and
     the main thread keeps using the inter-group group (divergence flags, metrics) and FSDP the replica one. Each
-    new group runs one tiny all-reduce here, on the main thread, so that NCCL creates its communicator now rather
-    than in the worker while FSDP's kernels run.
+    new group is warmed up here (`_warm_up`).
     """
     timeout = timedelta(seconds=timeout_s)
     fed, _ = new_subgroups_by_enumeration(layout.fed_peer_ranks(), timeout=timeout)
@@ -205,9 +304,15 @@ def exchange_process_groups(
         replicas, _ = new_subgroups_by_enumeration(layout.replica_peer_ranks(), timeout=timeout)
     for group in (fed, replicas):
         if group is not None:
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-            dist.all_reduce(torch.zeros(1, device=device), group=group)
+            _warm_up(group)
     return fed, replicas
+
+
+def _warm_up(group: ProcessGroup) -> None:
+    """One tiny all-reduce on the main thread, so that NCCL creates the group's communicator now, not in the
+    overlap worker while FSDP's kernels run."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -262,6 +367,8 @@ def mesh_communicator(
     names the limit in errors (default ``timeout_s=…``).
     """
     seconds = default_pg_timeout.total_seconds() if timeout_s is None else timeout_s
+    if not layout.equal:
+        return _unequal_communicator(layout, seconds, overlap, timeout or f"timeout_s={seconds:g}")
     peers = fed_process_group(layout, seconds)
     split = split and layout.replicas > 1
     exchange, replicas = None, replica_process_group(mesh) if split else None
@@ -274,4 +381,26 @@ def mesh_communicator(
         split=None if replicas is None else ProcessGroupCommunicator(replicas),
         hsdp_replicas=layout.replicas,
         timeout=timeout or f"timeout_s={seconds:g}",
+    )
+
+
+def _unequal_communicator(
+    layout: FederationLayout, seconds: float, overlap: bool, timeout: str
+) -> FederationCommunicator:
+    """Groups of unequal size: no peers; every exchange runs over the world (`hf_fedshard.engine.pieces`), the
+    overlapped one over a world group of its own (the worker thread's)."""
+    groups = tuple(GroupShape(layout.ranks_of(g), layout.shard_of(g)) for g in range(layout.num_groups))
+    group = layout.group_index(dist.get_rank())
+    exchange = None
+    if overlap:
+        exchange = averaging_world_group(seconds)
+        _warm_up(exchange)
+    return FederationCommunicator(
+        peers=None,
+        control=ProcessGroupCommunicator(averaging_world_group(seconds)),
+        exchange=None if exchange is None else ProcessGroupCommunicator(exchange),
+        hsdp_replicas=layout.replicas_of(group),
+        timeout=timeout,
+        groups=groups,
+        this_group=group,
     )

@@ -170,7 +170,7 @@ class Faults(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         events = dict(event.split(":") for event in self.script.nan_at)
         groups = {int(g) for g in events.get(str(state.global_step), "").split(",") if g}
-        first_rank_of_group = self.rank % (args.fed_group_size or args.world_size) == 0
+        first_rank_of_group = args.fed_launch_layout.position(self.rank) == 0
         if self.group in groups and first_rank_of_group:
             param = next(model.parameters())
             (param.to_local() if isinstance(param, DTensor) else param).view(-1)[0] = math.nan
@@ -240,8 +240,8 @@ class SyncRecorder(TrainerCallback):
         self._apply(fragment)
         self.applies[step] = (flight.fragment, flight.start_step, before, self.full_params())
 
-    def mean(self, tensors, contributors):
-        means, sent = self._mean(tensors, contributors)
+    def mean(self, tensors, contributors, addresses=None):
+        means, sent = self._mean(tensors, contributors, addresses)
         step = self.trainer.state.global_step
         self.exchanges[step] = ([t.clone() for t in tensors], [m.clone() for m in means])
         return means, sent
