@@ -68,6 +68,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-steps", type=int, help="Evaluate every this many steps (default 16; 8 with --quick).")
     p.add_argument("--model-size", default="tiny")
     p.add_argument("--batch-size", type=int, default=4, help="Per-device batch (blocks of 128 tokens).")
+    p.add_argument("--seed", type=int, default=0, help="Initialisation and data order (the same for every method).")
     p.add_argument("--max-train-lines", type=int, help="Train on this many lines of the text only (tests).")
     p.add_argument("--timeout-s", type=float, default=600.0, help="Bound on each method's run.")
     p.add_argument(
@@ -94,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         methods=tuple(args.methods or default_methods),
         model_size=args.model_size,
         batch_size=args.batch_size,
+        seed=args.seed,
         steps=args.steps or (24 if quick else 48),
         sync_steps=args.sync_steps,
         warmup_steps=args.sync_steps,

@@ -274,3 +274,23 @@ def test_model_state_per_rank_and_largest_model():
     assert model_state_bytes_per_rank(1000, FederationLayout(8, 1, 1)) == 16000  # LocalSGD: a whole model
     assert model_state_bytes_per_rank(1000, FederationLayout(8, 2), outer_optimizer=True) == 12000
     assert largest_model_params(64e9, FederationLayout(512, 4)) == 16_000_000_000  # 64 GB, FL+FSDP over 4 GPUs
+
+
+@pytest.mark.parametrize(
+    ("sizes", "shard", "inter_mb"),
+    [
+        ((2, 2, 2, 2), None, 2 * 3 * 24),  # the equal layout: 2 (F-1) copies of the 24 MB model
+        ((4, 2, 2), None, 2 * 2 * 24),  # 3 groups: each piece to its owner and back from 2 other groups
+        ((4, 2, 2), 2, 2 * 2 * 24 + 24),  # group 0's replicas sit on nodes 0 and 1: the fan-out crosses once more
+        ((6, 2), None, 2 * 1 * 24),
+    ],
+)
+def test_groups_of_unequal_size_send_each_piece_to_its_owner_and_back(sizes, shard, inter_mb):
+    """Inter-node bytes of one averaging (2 ranks per node, the 4-node world of the benchmarks), from the engine's
+    own piece plan: the averaging alone, what the step costs beyond the same layout without averaging."""
+    model = ModelCost(params=6_000_000, once_params=0, units=4)
+    layout = FederationLayout(8, sizes, shard)
+    averaging = (
+        step_cost(model, layout, 2, 1).inter_bytes_per_node - step_cost(model, layout, 2, None).inter_bytes_per_node
+    )
+    assert averaging * 4 == pytest.approx(inter_mb * 1e6, rel=1e-9)

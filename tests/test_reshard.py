@@ -104,9 +104,9 @@ def test_an_exchange_in_flight_is_dropped_and_the_next_delta_covers_both_windows
         sent = []
         mean_of = averager.exchange.mean
 
-        def record(tensors, contributors):  # what the exchange sends: each group's Δ
+        def record(tensors, contributors, addresses=None):  # what the exchange sends: each group's Δ
             sent.append([t.clone() for t in tensors])
-            return mean_of(tensors, contributors)
+            return mean_of(tensors, contributors, addresses)
 
         averager.exchange.mean = record
         changed = []
@@ -193,7 +193,7 @@ def test_between_averagings_resumes_on_three_groups_of_one(source, tmp_path):
     assert sorted(world_order([r["seen"] for r in runs])) == sorted(order[18:42])
     line = re.search(r"hf_fedshard: resuming step 2 of (.*)", runs[0]["stdout"]).group(1)
     assert line.startswith(
-        "FL+FSDP, 2 groups × 2 ranks on FL+FSDP, 3 groups × 1 ranks: the model is the plain mean of the 2 groups' "
+        "FL+FSDP, 2 groups × 2 ranks on FL+FSDP, 3 groups × 1 ranks: the model is the mean of the 2 groups' "
         "(the checkpoint is between averagings); the anchor and outer momentum are the checkpoint's, resharded;"
     ), line
     assert "world batch goes from 8 to 6 samples per step; epoch 0 resumes after its first 16 samples (3 steps" in line

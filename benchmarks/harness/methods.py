@@ -23,6 +23,7 @@ from pathlib import Path
 from benchmarks.harness import TRAIN_SCRIPT, report
 from benchmarks.harness.netns import Cluster, handle_termination
 from benchmarks.harness.report import VARIANTS, base_method
+from hf_fedshard.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 DATA_CACHE = Path.home() / ".cache" / "hf_fedshard" / "benchmark-data"
@@ -90,6 +91,11 @@ class BenchConfig:
                 f"--steps={self.steps}, --eval-steps={self.eval_steps} and H={self.sync_steps}: steps and eval "
                 "steps must be multiples of H (and steps of eval steps), so every window and eval follows a sync."
             )
+        for name in self.methods:
+            try:
+                report.layout_of(name, asdict(self))
+            except ConfigError as err:
+                raise ValueError(f"--methods {name!r} does not fit {self.world_size} ranks: {err}") from None
         if self.steps <= self.warmup_steps:
             raise ValueError(f"--steps={self.steps} must exceed --warmup-steps={self.warmup_steps}.")
 

@@ -39,6 +39,9 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "FL+FSDP stream": ("FL+FSDP", ["--fed_sync_fragments", "4", "--fed_sync_overlap", "1"]),
     "FL+FSDP stream int8": ("FL+FSDP", ["--fed_sync_fragments", "4", "--fed_sync_overlap", "1", "--fed_sync_dtype",
                                         "int8"]),
+    # Other group sizes of the 4-node, 8-rank world: 2 groups of 2 nodes, and groups of unequal size.
+    "FL+FSDP 2×4": ("FL+FSDP", ["--fed_group_size", "4"]),
+    "FL+FSDP 4,2,2": ("FL+FSDP", ["--fed_group_size", "4,2,2"]),
 }  # fmt: skip
 OVERLAPPED = tuple(name for name, (_, args) in VARIANTS.items() if "--fed_sync_overlap" in args)
 
@@ -61,6 +64,9 @@ def layout_of(method: str, cfg: dict) -> tuple[FederationLayout, int | None]:
     layouts = method_layouts(w, r, fl_fsdp_group=r, fl_hsdp_group=hsdp_nodes * r, fl_hsdp_shard=r, sync_steps=h)
     layouts["ideal"] = (layouts["FL+FSDP"][0], None)
     layouts["LocalSGD"] = (FederationLayout(w, 1, 1), h)  # every rank its own group of one, world all-reduce
+    sizes = variant_settings(method).get("fed_group_size")
+    if sizes is not None:  # a variant of other group sizes (4-node world)
+        return FederationLayout(w, tuple(int(x) for x in sizes.split(",")) if "," in sizes else int(sizes)), h
     return layouts[base_method(method)]
 
 
@@ -109,7 +115,11 @@ def predicted(method: str, cfg: dict, record: dict, compute_s: float | None) -> 
     fragments, overlap = int(settings.get("fed_sync_fragments", 1)), int(settings.get("fed_sync_overlap", 0))
     cost = step_cost(model, layout, cfg["ranks_per_node"], h, network, compute_s or 0.0, method, nodes_per_rack,
                      fragments, overlap)  # fmt: skip
+    alone = step_cost(model, layout, cfg["ranks_per_node"], None, network, 0.0, method, nodes_per_rack)
     return {
+        "averaging_inter_bytes": (cost.inter_bytes_per_node - alone.inter_bytes_per_node) * cfg["nodes"] * h
+        if h
+        else 0.0,
         "inter_bytes_per_step": cost.inter_bytes_per_node * cfg["nodes"],
         "inter_rack_bytes_per_step": cost.inter_rack_bytes_per_rack * racks,
         "inter_bytes_per_node_per_step": cost.inter_bytes_per_node,
@@ -139,6 +149,8 @@ def summarize_method(method: str, records: list[dict], cfg: dict) -> dict:
     ]  # fmt: skip
     evals = [{**e, "eval_perplexity": math.exp(e["eval_loss"])} for e in rank0["evals"]]
     loop_wait_s = sum(s["sync_s"] for s in steps)  # the loop's time inside the averaging callback
+    by_step = [{s["step"]: s.get("sync_tx_bytes", 0) for s in r["steps"]} for r in node_records]
+    averaging_bytes = [sum(nodes[s["step"]] for nodes in by_step) for s in syncs]  # every node's uplink
     return {
         "layout": layout.describe() if method != "LocalSGD" else f"DDP over {layout.world_size} ranks",
         "averages_every": sync,
@@ -156,6 +168,9 @@ def summarize_method(method: str, records: list[dict], cfg: dict) -> dict:
         "memory_added_bytes_per_rank": memory,
         "memory_added_bytes_max": max(memory) if memory else None,
         "averaging": averaging,
+        "averaging_inter_bytes": statistics.median(averaging_bytes)
+        if averaging_bytes and method not in OVERLAPPED
+        else None,
         "averaging_ratio_median": statistics.median(a["ratio_to_bytes_over_rate"] for a in averaging)
         if averaging and method not in OVERLAPPED  # an overlapped exchange does not run in its sync steps
         else None,
@@ -335,6 +350,7 @@ def markdown(results: dict) -> str:
             f"{m['final_eval_perplexity']:.1f} | "
             f"{at_t['eval_perplexity']:.1f} ({at_t['step']}) |"
         )
+    lines += _group_size_lines(results["methods"])
     lines += ["", "| target | measured | met |", "|---|---:|:---:|"]
     for t in results["targets"]:
         value = f"{100 * t['measured']:+.1f}%" if "(measured/predicted - 1)" in t["target"] else f"{t['measured']:.3f}"
@@ -355,6 +371,20 @@ def markdown(results: dict) -> str:
                 + "."
             )
     return "\n".join(lines)
+
+
+def _group_size_lines(methods: dict) -> list[str]:
+    """Where the run compares group sizes: the inter-node bytes of one blocking averaging, measured (every node's
+    uplink during the averaging, median over averagings) and from the cost model, the averaging alone."""
+    if not any("fed_group_size" in variant_settings(name) for name in methods):
+        return []
+    lines = ["", "| method | inter-node MB per averaging, measured | predicted | measured/predicted |",
+             "|---|---:|---:|---:|"]  # fmt: skip
+    for name, m in methods.items():
+        measured, model = m.get("averaging_inter_bytes"), m["predicted"].get("averaging_inter_bytes")
+        if measured and model:
+            lines.append(f"| {name} | {_mb(measured)} | {_mb(model)} | {measured / model:.3f} |")
+    return lines
 
 
 def plot(results: dict, out: Path) -> list[Path]:

@@ -100,24 +100,33 @@ def global_model_source(change: LayoutChange) -> str:
     """Where the new groups' model comes from, for the start-up line."""
     if groups_held_global_model(change):
         return "group 0's (every group held it: the checkpoint follows an averaging)"
-    return f"the plain mean of the {change.old_groups} groups' (the checkpoint is between averagings)"
+    weighted = "" if recorded_layout(change.saved).equal else ", weighted by their ranks"
+    return f"the mean of the {change.old_groups} groups'{weighted} (the checkpoint is between averagings)"
 
 
-def _mean_of_groups(load: Callable[[str], None], tensors: Callable[[], list[torch.Tensor]], folders: list[str]) -> None:
-    """Load each of ``folders`` in turn and leave the plain mean in ``tensors()``: fp32 sums in folder order, ÷ their
-    number, cast back (the rule the tests reproduce to the bit)."""
+def _mean_of_groups(
+    load: Callable[[str], None], tensors: Callable[[], list[torch.Tensor]], folders: list[str], weights: list[int]
+) -> None:
+    """Load each of ``folders`` in turn and leave the mean in ``tensors()``: Σ w_g · x_g in fp32 in folder order,
+    ÷ Σ w_g, cast back (the rule the tests reproduce to the bit). The weights are the old groups' ranks (the
+    samples each trained on, as an averaging weighs them), all 1 where the groups were of equal size."""
     sums: list[torch.Tensor] = []
-    for index, folder in enumerate(folders):
+    for index, (folder, weight) in enumerate(zip(folders, weights, strict=True)):
         load(folder)
         current = tensors()
         if index == 0:
-            sums = [t.detach().float().clone() for t in current]
+            sums = [t.detach().float().clone().mul_(weight) for t in current]
         else:
             for total, t in zip(sums, current, strict=True):
-                total.add_(t.float())
+                total.add_(t.float(), alpha=weight)
     with torch.no_grad():
         for total, t in zip(sums, tensors(), strict=True):
-            t.copy_(total.div_(len(folders)))
+            t.copy_(total.div_(sum(weights)))
+
+
+def _old_weights(change: LayoutChange) -> list[int]:
+    old = recorded_layout(change.saved)
+    return [1] * old.num_groups if old.equal else list(old.group_sizes)
 
 
 def load_global_model(model: nn.Module, change: LayoutChange, group: ProcessGroup) -> None:
@@ -125,18 +134,23 @@ def load_global_model(model: nn.Module, change: LayoutChange, group: ProcessGrou
     if groups_held_global_model(change):
         return load_group_model(model, os.path.join(group_dir(change.checkpoint, 0), "model"), group)
     folders = [os.path.join(group_dir(change.checkpoint, g), "model") for g in range(change.old_groups)]
-    _mean_of_groups(lambda folder: load_group_model(model, folder, group), lambda: model_state_tensors(model), folders)
+    _mean_of_groups(
+        lambda folder: load_group_model(model, folder, group), lambda: model_state_tensors(model), folders,
+        _old_weights(change),
+    )  # fmt: skip
 
 
 def load_mean_optimizer(
     model: nn.Module, optimizer: torch.optim.Optimizer, change: LayoutChange, group: ProcessGroup
 ) -> None:
-    """The inner optimizer's moments as the plain mean of the old groups' (each resharded onto this group)."""
+    """The inner optimizer's moments as the mean of the old groups' (each resharded onto this group; weighted by
+    their ranks where they were of unequal size)."""
     folders = [os.path.join(group_dir(change.checkpoint, g), "optimizer") for g in range(change.old_groups)]
     _mean_of_groups(
         lambda folder: load_group_optimizer(model, optimizer, folder, group),
         lambda: optimizer_state_tensors(optimizer, model),
         folders,
+        _old_weights(change),
     )
 
 

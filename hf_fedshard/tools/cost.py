@@ -81,7 +81,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from hf_fedshard.engine.codec import INT8_BLOCK
-from hf_fedshard.engine.payload import BUCKET_BYTES
+from hf_fedshard.engine.payload import BUCKET_BYTES, Address
+from hf_fedshard.engine.pieces import GroupShape, plan
 from hf_fedshard.transports.mesh import FederationLayout
 
 RING = 1.0  # reduce-scatter bytes as a fraction of an all-reduce's (NCCL ring)
@@ -219,7 +220,12 @@ def layout_rings(layout: FederationLayout) -> dict[str, tuple[tuple[int, ...], .
 
 
 def step_collectives(model: ModelCost, layout: FederationLayout, sync_steps: int | None) -> list[Collective]:
-    """The collectives of one optimizer step; ``sync_steps=None`` means no averaging (the ideal)."""
+    """The collectives of one optimizer step; ``sync_steps=None`` means no averaging (the ideal).
+
+    Groups of unequal size: each group's own rings here; the averaging is `piece_transfers`.
+    """
+    if not layout.equal:
+        return [c for g in range(layout.num_groups) for c in _group_collectives(model, layout, g)]
     rings = layout_rings(layout)
     shard_bytes = model.params / layout.shard_size
     collectives = []
@@ -242,6 +248,42 @@ def step_collectives(model: ModelCost, layout: FederationLayout, sync_steps: int
                 Collective("all_gather", FEDAVG_BYTES * shard_bytes, rings["replicate"], 1 / sync_steps, buckets, True)
             )
     return collectives
+
+
+def _group_collectives(model: ModelCost, layout: FederationLayout, group: int) -> list[Collective]:
+    """The rings of one group of a layout of unequal groups: its shard rings and (HSDP) its replicate rings."""
+    first, shards, replicas = layout.first_rank(group), layout.shard_of(group), layout.replicas_of(group)
+    shard_rings = tuple(tuple(first + q * shards + s for s in range(shards)) for q in range(replicas))
+    replicate_rings = tuple(tuple(first + q * shards + s for q in range(replicas)) for s in range(shards))
+    collectives = []
+    if shards > 1:
+        collectives += [
+            Collective("all_gather", model.all_gather_bytes, shard_rings, calls=2 * model.units - 1),
+            Collective("reduce_scatter", model.grad_bytes * model.params, shard_rings, calls=model.units),
+        ]
+    if replicas > 1:
+        shard_bytes = model.grad_bytes * model.params / shards
+        collectives.append(Collective("all_reduce", shard_bytes, replicate_rings, calls=model.units))
+    return collectives
+
+
+def piece_transfers(model: ModelCost, layout: FederationLayout) -> dict[tuple[int, int], float]:
+    """Bytes from rank to rank of one averaging of groups of unequal size (`hf_fedshard.engine.pieces`): the model
+    as one flat tensor, cut at every group's shard boundaries; each piece to its owner and back, then to the
+    group's other holders."""
+    groups = tuple(GroupShape(layout.ranks_of(g), layout.shard_of(g)) for g in range(layout.num_groups))
+    sent: dict[tuple[int, int], float] = {}
+    for piece in plan((Address(model.params, model.params),), groups):
+        nbytes = model.sync_bytes * piece.numel
+        owner = piece.designated(piece.owner)
+        for g in range(len(groups)):
+            if g != piece.owner:
+                for pair in ((piece.designated(g), owner), (owner, piece.designated(g))):
+                    sent[pair] = sent.get(pair, 0.0) + nbytes
+            for other in piece.holders[g][1:]:
+                pair = (piece.designated(g), other)
+                sent[pair] = sent.get(pair, 0.0) + nbytes
+    return sent
 
 
 def step_cost(
@@ -299,6 +341,17 @@ def step_cost(
                 comm_s += steps * (network.inter_latency_s if crosses else network.intra_latency_s)
         if coll.averaging:
             sync_s += comm_s - before
+    if not layout.equal and layout.federated and sync_steps is not None:
+        before = comm_s
+        tiers = _transfer_bytes(piece_transfers(model, layout), ranks_per_node, per_rack)
+        intra, inter, rack = intra + tiers[0] / sync_steps, inter + tiers[1] / sync_steps, rack + tiers[2] / sync_steps
+        if network is not None:  # three all-to-alls, each one step of latency on the slowest tier it crosses
+            comm_s += tiers[1] / sync_steps / nodes / network.inter_node_bytes_s
+            comm_s += tiers[0] / sync_steps / layout.world_size / network.intra_node_bytes_s
+            comm_s += tiers[2] / sync_steps / racks / network.inter_rack_bytes_s
+            latency = network.inter_rack_latency_s if tiers[2] else network.inter_latency_s
+            comm_s += 3 * latency / sync_steps
+        sync_s += comm_s - before
     if overlap > 0 and sync_s > 0:
         exchange_s = sync_s * sync_steps / fragments  # one fragment's exchange
         exposed = max(0.0, exchange_s - overlap * (compute_s + comm_s - sync_s))
@@ -312,6 +365,22 @@ def step_cost(
         compute_s=compute_s,
         inter_rack_bytes_per_rack=rack / racks if nodes_per_rack is not None else 0.0,
     )
+
+
+def _transfer_bytes(
+    sent: dict[tuple[int, int], float], ranks_per_node: int, nodes_per_rack: int
+) -> tuple[float, float, float]:
+    """(intra-node, inter-node, inter-rack) bytes of rank-to-rank transfers: a transfer between racks crosses the
+    sender's node link and its rack's uplink, as a ring hop does."""
+    intra = inter = rack = 0.0
+    for (source, target), nbytes in sent.items():
+        if source // ranks_per_node == target // ranks_per_node:
+            intra += nbytes
+            continue
+        inter += nbytes
+        rack_size = ranks_per_node * nodes_per_rack
+        rack += nbytes if source // rack_size != target // rack_size else 0.0
+    return intra, inter, rack
 
 
 OPTIMIZER_STATE_BYTES = 16  # fp32 parameter, gradient, and AdamW's two moments, per parameter
