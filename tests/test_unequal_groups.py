@@ -2,9 +2,10 @@
 own way, the averaging weights each group by the samples it trained on, every group ends on the same bits, and a
 checkpoint resumes exactly on its own layout.
 
-Two 4-rank runs and one resume: FL+FSDP (group 0 shards over 2 ranks, groups 1 and 2 hold the whole model) with
+Two 4-rank runs and three resumes: FL+FSDP (group 0 shards over 2 ranks, groups 1 and 2 hold the whole model) with
 blocking fp32 FedAvg, where the rule is replayed to the bit; and the same sizes as FL+HSDP (group 0 is 2 replicas
-of 1 shard) with the int8 codec, Nesterov and an overlapped exchange, checkpointed at step 3 and resumed.
+of 1 shard) with the int8 codec, Nesterov and an overlapped exchange, checkpointed at step 3 and resumed on its own
+layout, on 2 groups × 2 ranks, and from there (checkpoint-6) on groups of 2, 1 and 1 again.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from .asserts import labelled
 from .launch import train_tiny
+from .test_reliability import read_dcp
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -35,7 +37,13 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     streamed = train_tiny(4, streamed_dir, [*STREAMED, *RECORD])
     resume = ["--resume_from_checkpoint", str(streamed_dir / "checkpoint-3")]
     resumed = train_tiny(4, tmp_path_factory.mktemp("resumed"), [*STREAMED, *resume])
-    return {"fedavg": fedavg, "streamed": streamed, "resumed": resumed}
+    equal_dir = tmp_path_factory.mktemp("on_2x2")
+    on_2x2 = train_tiny(4, equal_dir, [*STREAMED, *resume, "--fed_group_size", "2", "--fed_shard_size", "2",
+                                       "--record_resume", "true"])  # fmt: skip
+    back = ["--resume_from_checkpoint", str(equal_dir / "checkpoint-6"), "--max_steps", "8", "--record_resume", "true"]
+    back_on_unequal = train_tiny(4, tmp_path_factory.mktemp("back"), [*STREAMED, *back])
+    return {"fedavg": fedavg, "streamed": streamed, "streamed_dir": streamed_dir, "resumed": resumed,
+            "on_2x2": on_2x2, "equal_dir": equal_dir, "back_on_unequal": back_on_unequal}  # fmt: skip
 
 
 def test_each_group_shards_the_model_its_own_way(runs):
@@ -100,3 +108,29 @@ def test_a_checkpoint_of_unequal_groups_resumes_exactly(runs):
         for name, value in whole["full_params"].items():
             assert torch.equal(resumed["full_params"][name], value), labelled(f"rank {rank}: {name}")
         assert resumed["eval"]["eval_loss"] == whole["eval"]["eval_loss"]
+
+
+def test_a_checkpoint_between_averagings_resumes_on_equal_groups_from_the_weighted_mean(runs, tmp_path):
+    """checkpoint-3 (an overlapped exchange applied at step 3 kept each group's progress: the groups differ) on
+    2 × 2: the model is Σ_g w_g · model_g / Σ w_g in fp32, group order, w = (2, 1, 1)."""
+    checkpoint = runs["streamed_dir"] / "checkpoint-3"
+    models = [read_dcp(checkpoint / f"fed_group{g}" / "model", tmp_path)["model"] for g in range(3)]
+    for rank in runs["on_2x2"]:
+        assert rank["resumed"]["step"] == 3
+        for name, value in rank["resumed"]["params"].items():
+            total = models[0][name].float().clone().mul_(2)
+            for model in models[1:]:
+                total.add_(model[name].float())
+            assert torch.equal(value, total.div_(4)), name
+    assert not torch.equal(models[0]["model.norm.weight"], models[1]["model.norm.weight"])  # a real mean
+
+
+def test_a_checkpoint_of_equal_groups_resumes_on_unequal_ones(runs, tmp_path):
+    """checkpoint-6 of 2 × 2 (written at an averaging: every group holds the global model) on 2, 1, 1: every group
+    starts from that model, bit for bit, and trains on to step 8."""
+    model = read_dcp(runs["equal_dir"] / "checkpoint-6" / "fed_group0" / "model", tmp_path)["model"]
+    for rank in runs["back_on_unequal"]:
+        assert rank["resumed"]["step"] == 6
+        assert all(torch.equal(value, model[name]) for name, value in rank["resumed"]["params"].items())
+    final = runs["back_on_unequal"][0]["full_params"]
+    assert all(torch.equal(final[n], runs["back_on_unequal"][3]["full_params"][n]) for n in final)

@@ -100,8 +100,13 @@ def global_model_source(change: LayoutChange) -> str:
     """Where the new groups' model comes from, for the start-up line."""
     if groups_held_global_model(change):
         return "group 0's (every group held it: the checkpoint follows an averaging)"
+    return f"{mean_of_old_groups(change)} (the checkpoint is between averagings)"
+
+
+def mean_of_old_groups(change: LayoutChange) -> str:
+    """How the old groups' models or moments are combined, in words."""
     weighted = "" if recorded_layout(change.saved).equal else ", weighted by their ranks"
-    return f"the mean of the {change.old_groups} groups'{weighted} (the checkpoint is between averagings)"
+    return f"the mean of the {change.old_groups} groups'{weighted}"
 
 
 def _mean_of_groups(

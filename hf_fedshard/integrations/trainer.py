@@ -46,6 +46,7 @@ from hf_fedshard.checkpointing.reshard import (
     load_global_model,
     load_mean_optimizer,
     load_resharded_averaging_state,
+    mean_of_old_groups,
 )
 from hf_fedshard.checkpointing.resume import load_on_every_rank, resumable_checkpoint
 from hf_fedshard.engine import FederationCommunicator, ProcessGroupCommunicator
@@ -338,9 +339,10 @@ class FedShardMixin(Trainer):
         if change is not None and self.args.should_log:
             logger.warning(
                 "hf_fedshard: resuming step %d of %s on %s: the model is %s; the anchor and outer momentum are the "
-                "checkpoint's, resharded; the inner optimizer's moments are the mean of the %d groups', resharded; "
+                "checkpoint's, resharded; the inner optimizer's moments are %s, resharded; "
                 "an exchange in flight (if any) is dropped; the world batch goes from %d to %d samples per step; %s.",
-                change.step, change.old_layout(), change.new_layout(), global_model_source(change), change.old_groups,
+                change.step, change.old_layout(), change.new_layout(), global_model_source(change),
+                mean_of_old_groups(change),
                 change.saved["samples_per_step"], self._data_arithmetic["samples_per_step"], position.describe(),
             )  # fmt: skip
         return position.epoch, position.steps * self.args.gradient_accumulation_steps

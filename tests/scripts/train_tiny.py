@@ -270,7 +270,7 @@ class ResumeRecorder(TrainerCallback):
             "anchor": {n: full_of(a, p) for (n, p), a in zip(named, anchors, strict=True)},
             "momentum": {n: full_of(m, p) for (n, p), m in zip(named, momenta, strict=True) if m is not None},
             "moments": moments,
-            "inner_steps": {n: float(optimizer.state[p]["step"]) for n, p in named},
+            "inner_steps": {n: float(optimizer.state[p]["step"]) for n, p in named if "step" in optimizer.state[p]},
             "last_epoch": trainer.lr_scheduler.last_epoch,
         }
 
