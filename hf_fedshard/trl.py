@@ -72,16 +72,25 @@ class FedShardSFTTrainer(SFTTrainer, FedShardMixin):
         super().log(logs, start_time)
 
     def _combine_group_metrics(self, metrics: dict[str, list[float]], keys: list[str]) -> None:
-        """One all-reduce along the fed axis of ``keys`` (the same on every rank; none: no collective): sums of
-        token counts, means of the other per-step values."""
+        """One all-reduce across groups of ``keys`` (the same on every rank; none: no collective): sums of token
+        counts, means of the other per-step values (weighted by the groups' ranks where they are of unequal size)."""
         if not keys:
             return
-        flat = torch.tensor([v for k in keys for v in metrics[k]], dtype=torch.float64)
-        self.fed_communicator.peers.all_reduce_sum(flat)
+        comm = self.fed_communicator
+        if comm.groups is None:  # equal groups: one rank per group, the plain mean over groups
+            flat = torch.tensor([v for k in keys for v in metrics[k]], dtype=torch.float64)
+            comm.peers.all_reduce_sum(flat)
+            scales = {k: 1 if k in _SUMMED_METRICS else comm.num_groups for k in keys}
+        else:  # groups of unequal size: every rank, each group's counts once, the means weighted by ranks (samples)
+            ranks = len(comm.groups[comm.group].ranks)
+            flat = torch.tensor([v / ranks if k in _SUMMED_METRICS else v for k in keys for v in metrics[k]],
+                                dtype=torch.float64)  # fmt: skip
+            comm.control.all_reduce_sum(flat)
+            world = sum(len(g.ranks) for g in comm.groups)
+            scales = {k: 1 if k in _SUMMED_METRICS else world for k in keys}
         values = iter(flat.tolist())
         for key in keys:
-            scale = 1 if key in _SUMMED_METRICS else self.fed_layout.num_groups
-            metrics[key] = [next(values) / scale for _ in metrics[key]]
+            metrics[key] = [next(values) / scales[key] for _ in metrics[key]]
 
     def create_model_card(self, **kwargs: Any) -> None:
         # SFTTrainer writes TRL's card without calling super(): add hf_fedshard's section to it here.

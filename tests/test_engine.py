@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 
 import pytest
 import torch
 from torch import nn
 
 from hf_fedshard import FederatedAverager
+from hf_fedshard.engine import FederationCommunicator
 from hf_fedshard.engine.fragments import Schedule
+from hf_fedshard.engine.pieces import GroupShape
 from hf_fedshard.errors import ConfigError
 
 from .asserts import labelled
-from .fake_communicator import run_federation
+from .fake_communicator import BARRIER_TIMEOUT_S, FakeCommunicator, run_federation, run_ranks
 
 GROUPS = 3
 RANGES = {1: [(0, 4)], 2: [(0, 2), (2, 4)], 4: [(0, 1), (1, 2), (2, 3), (3, 4)]}  # by bytes: 48, 16, 32, 8
@@ -407,3 +410,36 @@ def test_with_every_group_diverged_the_check_and_the_lent_model_answer_and_an_av
             averager.step()
 
     run_federation(GROUPS, rank_fn)
+
+
+def test_groups_of_unequal_size_average_by_their_samples():
+    """Group 0 is 2 replicas (ranks 0 and 1, weight 2), group 1 one rank (weight 1), every rank holding whole
+    tensors: the averaging of step 4 gives anchor − (2 Δ0 + Δ1) / 3, to the bit, in every group; and ‖mean Δ‖
+    counts group 0's replicas once."""
+    shapes = (GroupShape((0, 1), 1), GroupShape((2,), 1))
+    shared = {name: {"barrier": threading.Barrier(3, timeout=BARRIER_TIMEOUT_S)} for name in ("c", "x")}
+
+    def rank_fn(world):
+        group = 0 if world.rank() < 2 else 1
+        control, exchange = (FakeCommunicator(shared[n], world.rank(), 3) for n in ("c", "x"))
+        comm = FederationCommunicator(None, control, exchange, hsdp_replicas=2 - group, groups=shapes, this_group=group)
+        model, optimizer = build(group)
+        averager = FederatedAverager(model, optimizer, communicator=comm, sync_steps=4)
+        anchor = [p.detach().clone() for p in model.parameters()]
+        for step in range(1, 5):
+            train_step(model, optimizer, group, step)
+            before = [p.detach().clone() for p in model.parameters()]
+            averager.step()
+        averager.finish()
+        return group, anchor, before, [p.detach().clone() for p in model.parameters()], averager
+
+    results = run_ranks(3, rank_fn)
+    anchor = results[0][1]
+    models = {group: before for group, _, before, _, _ in results}
+    groups = zip(anchor, models[0], models[1], strict=True)
+    means = [(torch.zeros_like(a) + 2 * (a - x0) + 1 * (a - x1)) / 3 for a, x0, x1 in groups]
+    for group, _, _, after, averager in results:
+        for i, (got, a, mean) in enumerate(zip(after, anchor, means, strict=True)):
+            torch.testing.assert_close(got, a - mean, rtol=0, atol=0, msg=labelled(f"group {group}, parameter {i}"))
+        norm = sum(m.double().square().sum() for m in means) ** 0.5
+        assert averager.counters.delta_norm == pytest.approx(float(norm), rel=1e-6)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 import hf_fedshard.engine.communicator
+from hf_fedshard.transports.mesh import FederationLayout
 
 # Each wrapped function and the name of its argument holding this rank's contribution.
 _COLLECTIVES = {
@@ -55,8 +56,8 @@ class CrossGroupBytes(TrainerCallback):
     the logging that follows it. Install with :meth:`install` before training; :meth:`uninstall` restores.
     """
 
-    def __init__(self, group_size: int) -> None:
-        self.group_size = group_size
+    def __init__(self, layout: FederationLayout) -> None:
+        self.layout = layout
         self.per_step: dict[int, int] = defaultdict(int)
         self.engine_calls: dict[int, int] = defaultdict(int)  # cross-group collectives of hf_fedshard's engine
         self.step = 0
@@ -64,7 +65,7 @@ class CrossGroupBytes(TrainerCallback):
 
     def _spans_groups(self, group: Any) -> bool:
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        return len({rank // self.group_size for rank in ranks}) > 1
+        return len({self.layout.group_index(rank) for rank in ranks}) > 1
 
     def _wrap(self, fn: Callable, payload: str, engine: bool) -> Callable:
         signature = inspect.signature(fn)

@@ -560,6 +560,7 @@ class FederatedAverager:
         comm = self.comm
         if comm.groups is None:
             return Exchange(comm.exchange_peers, sync_dtype, comm.split), None
+        _check_dim0_shards(self.model)
         plain = PieceExchange(comm.control, comm.groups, comm.group)
         for address, tensor in zip(self._addresses, model_state_tensors(self.model), strict=True):
             plain.offset(address, tensor)
@@ -692,6 +693,19 @@ def _check_sharded_on(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
                 f"FederatedAverager: the model is {where}, but this rank's federation group is ranks {group_ranks}. "
                 'Shard it with fully_shard(module, mesh=mesh["dp_replicate", "dp_shard"]) before building the '
                 "averager."
+            )
+
+
+def _check_dim0_shards(model: nn.Module) -> None:
+    """Groups of unequal size address a shard by its rows: every trainable DTensor must be sharded on dim 0 (FSDP2's
+    default) or replicated. The placements are the same on every rank, so every rank refuses alike."""
+    for name, param in model.named_parameters():
+        placements = param.placements if isinstance(param, DTensor) and param.requires_grad else ()
+        if any(not (p.is_replicate() or (p.is_shard() and p.dim == 0)) for p in placements):
+            raise ConfigError(
+                f"fed_group_size lists groups of unequal size, which address each shard by its rows, but {name} is "
+                f"placed {placements}. Shard with fully_shard's default placement (no shard_placement_fn), or give "
+                "every group the same size."
             )
 
 

@@ -87,17 +87,17 @@ def split_mean_over_groups(
     return gathered[: x.numel()], sent
 
 
-def _bucket_ranges(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[tuple[int, int]]:
-    """[start, stop) index ranges of consecutive tensors holding at most ``bucket_bytes`` of fp32 (at least one)."""
+def bucket_ranges(sizes: Sequence[int], bucket_bytes: int) -> list[tuple[int, int]]:
+    """[start, stop) index ranges of consecutive items of ``sizes`` bytes holding at most ``bucket_bytes`` (at least
+    one item each)."""
     ranges, start, size = [], 0, 0
-    for i, tensor in enumerate(tensors):
-        nbytes = tensor.numel() * 4
+    for i, nbytes in enumerate(sizes):
         if i > start and size + nbytes > bucket_bytes:
             ranges.append((start, i))
             start, size = i, 0
         size += nbytes
-    if start < len(tensors):
-        ranges.append((start, len(tensors)))
+    if start < len(sizes):
+        ranges.append((start, len(sizes)))
     return ranges
 
 
@@ -133,7 +133,7 @@ class Exchange:
         """
         means: list[torch.Tensor] = []
         sent = 0
-        for start, stop in _bucket_ranges(tensors, self.bucket_bytes):
+        for start, stop in bucket_ranges([t.numel() * 4 for t in tensors], self.bucket_bytes):  # fp32 bytes
             bucket = tensors[start:stop]
             flat = torch.cat([t.reshape(-1).float() for t in bucket])
             if not flat.numel():  # empty shards (FSDP2's uneven split): the same on every peer, nothing to send

@@ -46,12 +46,14 @@ import torch.nn.functional as F
 
 from hf_fedshard.engine.codec import INT8_BLOCK, Encoded, alignment, decode, encode
 from hf_fedshard.engine.communicator import Communicator
+from hf_fedshard.engine.exchange import bucket_ranges
 from hf_fedshard.engine.payload import BUCKET_BYTES, Address
 from hf_fedshard.errors import ConfigError
 
 SPLIT_VALUES = 65536  # a piece of at least G × this many values is cut into G parts, one per owner group
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "int8": 1}
 _WIRE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+FLOAT64 = "float64"  # the plain means' wire for fp64 tensors (as the equal groups' accumulate them)
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def _parts(start: int, stop: int, groups: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=1024)
 def plan(addresses: tuple[Address, ...], groups: tuple[GroupShape, ...]) -> tuple[Piece, ...]:
     """The pieces of ``addresses`` with their owners and holders: a function of its arguments only, so every rank
     computes the same plan without a collective."""
@@ -123,20 +125,41 @@ def plan(addresses: tuple[Address, ...], groups: tuple[GroupShape, ...]) -> tupl
         for start, stop in itertools.pairwise(cuts):
             holders = [group.holders(address, start) for group in groups]
             for a, b in _parts(start, stop, len(groups)):
-                rotated = tuple(h[turn % len(h) :] + h[: turn % len(h)] for h in holders)
+                shift = turn // len(groups)  # the owner turns every piece, the designated holder every G pieces
+                rotated = tuple(h[shift % len(h) :] + h[: shift % len(h)] for h in holders)
                 pieces.append(Piece(index, a, b, turn % len(groups), rotated))
                 turn += 1
     return tuple(pieces)
 
 
+def to_owner(piece: Piece) -> list[tuple[int, int]]:
+    """Phase 1, (source, target) ranks: each other group's designated holder → the owner's."""
+    owner = piece.designated(piece.owner)
+    return [(piece.designated(g), owner) for g in range(len(piece.holders)) if g != piece.owner]
+
+
+def from_owner(piece: Piece) -> list[tuple[int, int]]:
+    """Phase 2: the owner's designated holder → each other group's."""
+    return [(target, source) for source, target in to_owner(piece)]
+
+
+def to_replicas(piece: Piece) -> list[tuple[int, int]]:
+    """Phase 3: each group's designated holder → the group's other holders of the piece (the fast tier)."""
+    return [(holders[0], other) for holders in piece.holders for other in holders[1:]]
+
+
 def _encoded_bytes(numel: int, sync_dtype: str) -> int:
+    if sync_dtype == FLOAT64:
+        return 8 * numel
     padded = math.ceil(numel / alignment(sync_dtype)) * alignment(sync_dtype)
     scales = padded // INT8_BLOCK * 4 if sync_dtype == "int8" else 0
     return padded * _ITEMSIZE[sync_dtype] + scales
 
 
 def _to_bytes(x: torch.Tensor, sync_dtype: str) -> torch.Tensor:
-    """``x`` (flat fp32) encoded on its own, as bytes."""
+    """``x`` (flat fp32; fp64 for `FLOAT64`) encoded on its own, as bytes."""
+    if sync_dtype == FLOAT64:
+        return x.double().view(torch.uint8)
     encoded = encode(F.pad(x, (0, -x.numel() % alignment(sync_dtype))), sync_dtype)
     parts = [encoded.values.reshape(-1).view(torch.uint8)]
     if encoded.scales is not None:
@@ -145,7 +168,9 @@ def _to_bytes(x: torch.Tensor, sync_dtype: str) -> torch.Tensor:
 
 
 def _from_bytes(data: torch.Tensor, numel: int, sync_dtype: str) -> torch.Tensor:
-    """The fp32 values of `_to_bytes`'s output (``numel`` of them)."""
+    """The fp32 values of `_to_bytes`'s output (``numel`` of them; fp64 for `FLOAT64`)."""
+    if sync_dtype == FLOAT64:
+        return data.clone().view(torch.float64)
     padded = math.ceil(numel / alignment(sync_dtype)) * alignment(sync_dtype)
     end = padded * _ITEMSIZE[sync_dtype]
     values = data[:end].clone().view(_WIRE[sync_dtype])  # a copy: a view across dtypes needs an aligned start
@@ -206,12 +231,23 @@ class PieceExchange:
     def plain_mean(
         self, tensors: Sequence[torch.Tensor], contributors: int, contribute: bool, addresses: Sequence[Address]
     ) -> int:
-        """Replace every tensor (in place) by its weighted mean in fp32 (buffers, the initial weights, the global
-        model lent between averagings); a group with ``contribute=False`` sends zeros. Returns the bytes sent."""
-        sources = [t.float() if contribute else torch.zeros_like(t, dtype=torch.float32) for t in tensors]
-        means, sent = self._means(sources, contributors, addresses, "float32")
-        for tensor, mean in zip(tensors, means, strict=True):
-            tensor.copy_(mean)
+        """Replace every tensor (in place) by its weighted mean, summed in fp32 (fp64 tensors in fp64): buffers, the
+        initial weights, the global model lent between averagings. A group with ``contribute=False`` sends zeros.
+        Returns the bytes sent."""
+        sent = 0
+        for wire, dtype in (
+            ("float32", torch.float32),
+            (FLOAT64, torch.float64),
+        ):  # fp64 stays fp64, as equal groups do
+            chosen = [i for i, t in enumerate(tensors) if (t.dtype == torch.float64) == (dtype == torch.float64)]
+            if not chosen:  # the same on every rank: the model's dtypes
+                continue
+            sources = [tensors[i].to(dtype) if contribute else tensors[i].new_zeros(tensors[i].shape, dtype=dtype)
+                       for i in chosen]  # fmt: skip
+            means, nbytes = self._means(sources, contributors, [addresses[i] for i in chosen], wire)
+            for i, mean in zip(chosen, means, strict=True):
+                tensors[i].copy_(mean)
+            sent += nbytes
         return sent
 
     @torch.no_grad()
@@ -220,25 +256,13 @@ class PieceExchange:
     ) -> tuple[list[torch.Tensor], int]:
         means: list[torch.Tensor] = []
         sent = 0
-        for start, stop in self._buckets(addresses):
+        for start, stop in bucket_ranges([a.numel * 4 for a in addresses], self.bucket_bytes):  # whole tensors
             bucket = tensors[start:stop]
             flats = [t.reshape(-1) for t in bucket]
             results, nbytes = self._mean_flat(flats, contributors, tuple(addresses[start:stop]), sync_dtype)
             means += [r.view_as(t) for r, t in zip(results, bucket, strict=True)]
             sent += nbytes
         return means, sent
-
-    def _buckets(self, addresses: Sequence[Address]) -> list[tuple[int, int]]:
-        """Runs of whole tensors of at most ``bucket_bytes`` fp32 (global sizes: the same runs on every rank)."""
-        runs, start, size = [], 0, 0
-        for i, address in enumerate(addresses):
-            if i > start and size + address.numel * 4 > self.bucket_bytes:
-                runs.append((start, i))
-                start, size = i, 0
-            size += address.numel * 4
-        if start < len(addresses):
-            runs.append((start, len(addresses)))
-        return runs
 
     def _mean_flat(
         self, flats: list[torch.Tensor], contributors: int, addresses: tuple[Address, ...], sync_dtype: str
@@ -254,33 +278,19 @@ class PieceExchange:
 
         mine = [p for p in pieces if p.designated(self.group) == self.me]
         encoded = {p: _to_bytes(values(p), sync_dtype) for p in mine}
-        copies = self._route(pieces, self._to_owner, encoded, sync_dtype, device)
+        copies = self._route(pieces, to_owner, encoded, sync_dtype, device)
         means = {
             p: self._owner_mean(p, encoded[p], copies, contributors, sync_dtype) for p in mine if p.owner == self.group
         }
-        back = self._route(pieces, self._from_owner, means, sync_dtype, device)
+        back = self._route(pieces, from_owner, means, sync_dtype, device)
         means.update({p: data for (p, _), data in back.items()})
-        fanned = self._route(pieces, self._to_replicas, means, sync_dtype, device)
+        fanned = self._route(pieces, to_replicas, means, sync_dtype, device)
         means.update({p: data for (p, _), data in fanned.items()})
         results = [f.clone() for f in flats]
         for piece, data in means.items():
             lo = piece.start - offsets[piece.tensor]
             results[piece.tensor][lo : lo + piece.numel] = _from_bytes(data, piece.numel, sync_dtype)
         return results, sum(_encoded_bytes(p.numel, sync_dtype) for p in mine)
-
-    def _to_owner(self, piece: Piece) -> list[tuple[int, int]]:
-        """Phase 1: each other group's designated holder → the owner's."""
-        owner = piece.designated(piece.owner)
-        return [(piece.designated(g), owner) for g in range(len(self.groups)) if g != piece.owner]
-
-    def _from_owner(self, piece: Piece) -> list[tuple[int, int]]:
-        """Phase 2: the owner's designated holder → each other group's."""
-        return [(target, source) for source, target in self._to_owner(piece)]
-
-    @staticmethod
-    def _to_replicas(piece: Piece) -> list[tuple[int, int]]:
-        """Phase 3: each group's designated holder → the group's other holders of the piece."""
-        return [(holders[0], other) for holders in piece.holders for other in holders[1:]]
 
     def _owner_mean(
         self,
@@ -291,7 +301,8 @@ class PieceExchange:
         sync_dtype: str,
     ) -> torch.Tensor:
         """Σ_g w_g · D(E(x_g)) / W in group order (this group's own copy decoded from its own bytes), encoded once."""
-        total = torch.zeros(piece.numel, dtype=torch.float32, device=own.device)
+        dtype = torch.float64 if sync_dtype == FLOAT64 else torch.float32
+        total = torch.zeros(piece.numel, dtype=dtype, device=own.device)
         for g, shape in enumerate(self.groups):
             data = own if g == self.group else copies[(piece, g)]
             total += shape.weight * _from_bytes(data, piece.numel, sync_dtype)

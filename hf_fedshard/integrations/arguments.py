@@ -241,6 +241,12 @@ class FedShardArgumentsMixin:
                 self.fed_sync_steps,
                 self.max_steps,
             )
+        if self.fed_eval_per_group and not layout.equal:
+            raise ConfigError(
+                f"fed_eval_per_group gathers each group's metrics over rank r of every group, which groups of unequal "
+                f"size (fed_group_size={layout.group_size_arg}) do not pair. Turn --fed_eval_per_group off: the "
+                "global model is still evaluated."
+            )
         if self.fed_requested:
             self._check_sharding_backend()
             if not self.fsdp and not _env_flag("ACCELERATE_USE_FSDP"):
@@ -257,12 +263,6 @@ class FedShardArgumentsMixin:
         super().__post_init__()
         if self.fed_elastic:
             self._check_elastic_schedule()
-        if self.fed_eval_per_group and not layout.equal:
-            raise ConfigError(
-                f"fed_eval_per_group gathers each group's metrics over rank r of every group, which groups of unequal "
-                f"size (fed_group_size={','.join(map(str, layout.group_sizes))}) do not pair. Turn "
-                "--fed_eval_per_group off: the global model is still evaluated."
-            )
         if self.fed_eval_per_group and not self.fed_evaluates_groups:
             _notice(
                 "fed_eval_per_group has no effect %s",

@@ -136,7 +136,7 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
     samples_seen = trainer.state.global_step * per_rank * layout.world_size
     train, evaluation, fed = _last(history, "train_runtime"), _last(history, "eval_loss"), _last(history, "fed_syncs")
     wall_s = training_wall_seconds(history)
-    sizes = sorted(set(layout.group_sizes), reverse=True)  # groups of unequal size: each size's batch
+    sizes = layout.distinct_sizes  # groups of unequal size: each size's batch
     group_batch = "/".join(str(per_rank * size) for size in sizes)
     if tokens_per_sample:
         group_batch += f" ({'/'.join(f'{per_rank * size * tokens_per_sample:,}' for size in sizes)} tokens)"

@@ -185,13 +185,9 @@ class FedShardMixin(Trainer):
             self.fed_mesh = use_federation_mesh(self.accelerator, self.args.fed_launch_layout)
 
     def _batch_arithmetic(self) -> str:
-        layout, batch, accumulation = (
-            self.fed_layout,
-            self.args.per_device_train_batch_size,
-            self.args.gradient_accumulation_steps,
-        )
-        ranks = "/".join(map(str, sorted(set(layout.group_sizes), reverse=True)))
-        batches = "/".join(str(batch * size * accumulation) for size in sorted(set(layout.group_sizes), reverse=True))
+        layout, batch = self.fed_layout, self.args.per_device_train_batch_size
+        accumulation, sizes = self.args.gradient_accumulation_steps, self.fed_layout.distinct_sizes  # each size's
+        ranks, batches = "/".join(map(str, sizes)), "/".join(str(batch * size * accumulation) for size in sizes)
         return (
             f"group batch = {batch} per device × {ranks} ranks × {accumulation} accumulation = {batches} samples per "
             f"optimizer step; the world reads {batch * layout.world_size * accumulation} samples per step"

@@ -82,7 +82,7 @@ from dataclasses import dataclass, field, replace
 
 from hf_fedshard.engine.codec import INT8_BLOCK
 from hf_fedshard.engine.payload import BUCKET_BYTES, Address
-from hf_fedshard.engine.pieces import GroupShape, plan
+from hf_fedshard.engine.pieces import from_owner, plan, to_owner, to_replicas
 from hf_fedshard.transports.mesh import FederationLayout
 
 RING = 1.0  # reduce-scatter bytes as a fraction of an all-reduce's (NCCL ring)
@@ -271,18 +271,11 @@ def piece_transfers(model: ModelCost, layout: FederationLayout) -> dict[tuple[in
     """Bytes from rank to rank of one averaging of groups of unequal size (`hf_fedshard.engine.pieces`): the model
     as one flat tensor, cut at every group's shard boundaries; each piece to its owner and back, then to the
     group's other holders."""
-    groups = tuple(GroupShape(layout.ranks_of(g), layout.shard_of(g)) for g in range(layout.num_groups))
     sent: dict[tuple[int, int], float] = {}
-    for piece in plan((Address(model.params, model.params),), groups):
-        nbytes = model.sync_bytes * piece.numel
-        owner = piece.designated(piece.owner)
-        for g in range(len(groups)):
-            if g != piece.owner:
-                for pair in ((piece.designated(g), owner), (owner, piece.designated(g))):
-                    sent[pair] = sent.get(pair, 0.0) + nbytes
-            for other in piece.holders[g][1:]:
-                pair = (piece.designated(g), other)
-                sent[pair] = sent.get(pair, 0.0) + nbytes
+    for piece in plan((Address(model.params, model.params),), layout.group_shapes()):
+        for phase in (to_owner, from_owner, to_replicas):
+            for pair in phase(piece):
+                sent[pair] = sent.get(pair, 0.0) + model.sync_bytes * piece.numel
     return sent
 
 

@@ -140,6 +140,15 @@ class FederationLayout:
         return tuple(range(start, start + self.size_of(group)))
 
     @property
+    def distinct_sizes(self) -> list[int]:
+        """The group sizes, each once, largest first (one for equal groups): what a line about group batches lists."""
+        return sorted(set(self.group_sizes), reverse=True)
+
+    def group_shapes(self) -> tuple[GroupShape, ...]:
+        """Every group's ranks and shard size, as the exchange between groups of unequal size addresses them."""
+        return tuple(GroupShape(self.ranks_of(g), self.shard_of(g)) for g in range(self.num_groups))
+
+    @property
     def replicas(self) -> int:
         """HSDP replicas inside one group (1 for FL+FSDP); of the largest group where groups differ in size."""
         return max(self.replicas_of(g) for g in range(self.num_groups))
@@ -251,7 +260,7 @@ def _flatten_group_axes(mesh: DeviceMesh, shard_cp: bool = True) -> None:
 
 def _unequal_sizes(sizes: tuple[int, ...], world_size: int, shard_size: int | None) -> int | tuple[int, ...]:
     """``fed_group_size`` given per group, checked; equal sizes come back as the one int."""
-    listed = ",".join(map(str, sizes))
+    listed = ",".join(map(str, sizes))  # FederationLayout.group_size_arg, before the layout exists
     if not sizes or min(sizes) < 1:
         raise ConfigError(
             f"fed_group_size={listed}: every group needs at least one rank. Drop the empty group(s) from the list."
@@ -261,7 +270,7 @@ def _unequal_sizes(sizes: tuple[int, ...], world_size: int, shard_size: int | No
             f"fed_group_size={listed} sums to {sum(sizes)} ranks, but WORLD_SIZE={world_size}: the groups must "
             f"cover the world. Give sizes that add up to {world_size}."
         )
-    if shard_size is not None and any(size % shard_size for size in sizes):
+    if shard_size is not None and (shard_size < 1 or any(size % shard_size for size in sizes)):
         raise ConfigError(
             f"fed_group_size={listed}: fed_shard_size={shard_size} must divide every group's size (it is each "
             "group's FSDP shard, the rest its HSDP replicas). Pick a common divisor, or leave --fed_shard_size unset."
@@ -389,7 +398,7 @@ def _unequal_communicator(
 ) -> FederationCommunicator:
     """Groups of unequal size: no peers; every exchange runs over the world (`hf_fedshard.engine.pieces`), the
     overlapped one over a world group of its own (the worker thread's)."""
-    groups = tuple(GroupShape(layout.ranks_of(g), layout.shard_of(g)) for g in range(layout.num_groups))
+    groups = layout.group_shapes()
     group = layout.group_index(dist.get_rank())
     exchange = None
     if overlap:

@@ -27,7 +27,7 @@ from transformers import HfArgumentParser, PreTrainedTokenizerFast
 from trl import SFTTrainer
 
 from benchmarks.harness.collective_bytes import CrossGroupBytes  # the launcher puts the checkout on PYTHONPATH
-from hf_fedshard.transports.mesh import destroy_gloo_groups_at_exit
+from hf_fedshard.transports.mesh import FederationLayout, destroy_gloo_groups_at_exit
 from hf_fedshard.trl import FedShardSFTConfig, FedShardSFTTrainer
 
 
@@ -70,7 +70,8 @@ def main(argv: list[str]) -> None:
         processing_class=tokenizer(),
         peft_config=peft_config,
     )
-    counter = CrossGroupBytes(args.fed_group_size or script.count_group_size).install()
+    layout = args.fed_layout if args.fed_requested else FederationLayout.from_env(script.count_group_size, None)
+    counter = CrossGroupBytes(layout).install()
     trainer.add_callback(counter)
     trainer.train()
     counter.uninstall()
