@@ -89,6 +89,8 @@ def test_groups_of_unequal_size_have_their_own_shards_replicas_and_ranks():
         ("4,0,4", None, r"fed_group_size=4,0,4: every group needs at least one rank. Drop the empty group"),
         ("4,2,2", 4, r"fed_group_size=4,2,2: fed_shard_size=4 must divide every group's size .* Pick a common"),
         ("4,x", None, r"fed_group_size='4,x' is not a size or a comma-separated list of sizes: e.g. --fed_group"),
+        ("4,2,2", 0, r"fed_group_size=4,2,2: fed_shard_size=0 must divide every group's size"),
+        ("4,2,2", -1, r"fed_group_size=4,2,2: fed_shard_size=-1 must divide every group's size"),
     ],
 )
 def test_unequal_group_sizes_are_refused_in_one_line(tmp_path, monkeypatch, sizes, shard, message):

@@ -6,6 +6,7 @@ replicas; buffers whole on every rank); the tests pin the weighted rule on the w
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -124,10 +125,26 @@ def test_a_group_that_sends_zeros_is_left_out_of_the_weights():
         assert torch.equal(means[1], want)
 
 
-def test_plain_mean_replaces_in_place_in_the_tensor_dtype():
-    groups, results = exchange([3, 1], None, "float32", plain=True)
-    for rank, (group, tensors, _) in enumerate(results):
-        assert torch.equal(tensors[0], local(expected(groups, 0), groups[group], rank, True))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_plain_mean_replaces_in_place_summing_in_fp32_or_wider(dtype):
+    """bf16 and fp32 tensors are summed in fp32 and cast back; fp64 ones in fp64 (a buffer keeps its precision)."""
+    groups = layout([3, 1], None)
+    addresses = [Address(r * c, r, sharded) for r, c, sharded in TENSORS]
+
+    def rank_fn(world):
+        group = 0 if world.rank() < 3 else 1
+        mine = [local(whole(group, i, dtype), groups[group], world.rank(), t[2]) for i, t in enumerate(TENSORS)]
+        PieceExchange(world, groups, group).plain_mean(mine, 4, True, addresses)
+        return group, mine
+
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    for rank, (group, tensors) in enumerate(run_ranks(4, rank_fn)):
+        for i, (_, _, sharded) in enumerate(TENSORS):
+            total = torch.zeros_like(whole(0, i), dtype=wide)
+            for g, shape in enumerate(groups):
+                total += shape.weight * whole(g, i, dtype).to(wide)
+            want = local((total / 4).to(dtype), groups[group], rank, sharded)
+            assert tensors[i].dtype == dtype and torch.equal(tensors[i], want), (rank, i)
 
 
 def test_each_piece_is_sent_once_per_group_and_the_bytes_are_the_groups_payload():
@@ -149,9 +166,22 @@ def test_the_plan_is_a_function_of_the_layout_and_every_piece_has_one_shard_per_
                 k = shape.ranks.index(rank) % shape.shard_size
                 start, stop = shape.span(addresses[piece.tensor], k)
                 assert start <= piece.start and piece.stop <= stop
-    covered = {i: sum(p.numel for p in pieces_ if p.tensor == i) for i in range(len(TENSORS))}
-    assert covered == {i: a.numel for i, a in enumerate(addresses)}
+    for i, address in enumerate(addresses):  # each tensor's pieces tile it: contiguous, no gap, no overlap
+        spans = sorted((p.start, p.stop) for p in pieces_ if p.tensor == i)
+        assert spans[0][0] == 0 and spans[-1][1] == address.numel
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert {p.owner for p in pieces_} == {0, 1, 2}
+
+
+def test_every_replica_of_a_group_carries_a_share_of_the_pieces(monkeypatch):
+    """Groups of 4 and 2 ranks with shards of 2: group 0 has 2 replicas of each shard, and each is the designated
+    holder of some of the pieces it holds, the ones its group owns among them."""
+    monkeypatch.setattr(pieces, "SPLIT_VALUES", 64)
+    groups = tuple(layout([4, 2], 2))
+    pieces_ = plan(tuple(Address(r * c, r, s) for r, c, s in TENSORS), groups)
+    designated = {p.designated(0) for p in pieces_}
+    owning = {p.designated(0) for p in pieces_ if p.owner == 0}
+    assert designated == owning == {0, 1, 2, 3}
 
 
 def test_a_shard_that_is_not_fsdp2s_is_refused_before_any_collective():

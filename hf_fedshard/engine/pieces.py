@@ -9,8 +9,8 @@ so the exchange addresses every tensor in its *global* flat index space instead:
   a buffer is held whole by every rank of the group;
 - the boundaries of every group's shards cut a tensor into *pieces*, each held by exactly one shard of every
   group; a large piece is cut again into G parts, so that the G groups share the work;
-- every piece has an *owner* group (in turn) and, in each group, a *designated* holder (in turn among its
-  holders: HSDP replicas, or every rank for a buffer).
+- every piece has an *owner* group and, in each group, a *designated* holder (HSDP replicas, or every rank for a
+  buffer, take turns): the pieces held by the same ranks take the owner groups in turn, and each owner's holders.
 
 The mean of a piece moves in three all-to-alls over every rank of the federation:
 
@@ -119,16 +119,19 @@ def _parts(start: int, stop: int, groups: int) -> list[tuple[int, int]]:
 def plan(addresses: tuple[Address, ...], groups: tuple[GroupShape, ...]) -> tuple[Piece, ...]:
     """The pieces of ``addresses`` with their owners and holders: a function of its arguments only, so every rank
     computes the same plan without a collective."""
-    pieces, turn = [], 0
+    pieces: list[Piece] = []
+    turns: dict[tuple[tuple[int, ...], ...], int] = {}  # per set of holders: its pieces so far
     for index, address in enumerate(addresses):
         cuts = sorted(set().union(*(group.cuts(address) for group in groups)))
         for start, stop in itertools.pairwise(cuts):
-            holders = [group.holders(address, start) for group in groups]
+            holders = tuple(group.holders(address, start) for group in groups)
             for a, b in _parts(start, stop, len(groups)):
-                shift = turn // len(groups)  # the owner turns every piece, the designated holder every G pieces
+                # The pieces of one set of holders take the G owner groups in turn, and each owner's designated
+                # holders in turn among its replicas: every holder of every group carries its share of the work.
+                turn = turns[holders] = turns.get(holders, -1) + 1
+                shift = turn // len(groups)
                 rotated = tuple(h[shift % len(h) :] + h[: shift % len(h)] for h in holders)
                 pieces.append(Piece(index, a, b, turn % len(groups), rotated))
-                turn += 1
     return tuple(pieces)
 
 
