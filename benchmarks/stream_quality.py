@@ -36,6 +36,7 @@ Results (JSON, Markdown, three PNGs) go to ``--out`` (default benchmarks/results
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -159,6 +160,25 @@ def perplexity_at(run: dict, step: int) -> float | None:
     return next((math.exp(loss) for s, loss in run["evals"] if s == step), None)
 
 
+def step_reaching(evals: list[list[float]], loss: float) -> float | None:
+    """The first step at which the eval loss curve ``evals`` ([step, loss], linear between evaluations) is at or
+    below ``loss``; ``None`` if it never is."""
+    for (s0, l0), (s1, l1) in itertools.pairwise(evals):
+        if l1 <= loss:
+            return s0 + (s1 - s0) * (l0 - loss) / (l0 - l1) if l0 > loss else s0
+    return None
+
+
+def reference_steps(runs: list[dict], name: str) -> dict:
+    """The steps blocking fp32 FedAvg of the same seed took to reach the eval loss ``name`` ends on (what its last
+    step is worth in the reference's steps): a `spread` over the seeds that reached it, and how many did not."""
+    by_key = {(r["variant"], r["seed"]): r for r in runs}
+    steps = [step_reaching(by_key[(REFERENCE, r["seed"])]["evals"], r["evals"][-1][1])
+             for r in runs if r["variant"] == name and (REFERENCE, r["seed"]) in by_key]  # fmt: skip
+    reached = [s for s in steps if s is not None]
+    return {"steps": spread(reached) if reached else None, "not_reached": len(steps) - len(reached)}
+
+
 def curves(runs: list[dict], variants: tuple[str, ...]) -> dict[str, list[dict]]:
     """Per variant and evaluated step: perplexity and its ratio to the reference of the same seed, each a `spread`
     over the seeds that evaluated there (ratios only where the reference did too)."""
@@ -218,7 +238,7 @@ def summarize(runs: list[dict], cfg: dict) -> dict:
         others = [p for p in lines[name] if p["ratio"] and p["step"] > 0] if name != REFERENCE else []
         peak = max(others, key=lambda p: p["ratio"]["median"], default=None)  # where the gap was widest
         rows.append({"variant": name, "settings": settings, "at": [at.get(s) for s in study.report_steps()],
-                     "peak": peak})  # fmt: skip
+                     "peak": peak, "reference_steps": reference_steps(runs, name)})  # fmt: skip
     gap = train_loss_gap(runs, study.variants, study.sync_steps)
     return {"curves": lines, "rows": rows, "report_steps": study.report_steps(), "train_loss_gap": gap}
 
@@ -238,8 +258,8 @@ def markdown(results: dict) -> str:
         "",
         "| variant | settings | "
         + " | ".join(f"eval ppl at {s} | ÷ {REFERENCE} at {s}" for s in steps)
-        + f" | largest ÷ {REFERENCE} (step) |",
-        "|---|---|" + "---:|---:|" * len(steps) + "---:|",
+        + f" | largest ÷ {REFERENCE} (step) | {REFERENCE} reached its ppl at {cfg['steps']} at step |",
+        "|---|---|" + "---:|---:|" * len(steps) + "---:|---:|",
     ]
     for row in summary["rows"]:
         settings = " ".join(f"`{k} {v}`" for k, v in zip(row["settings"][::2], row["settings"][1::2], strict=True))
@@ -248,6 +268,7 @@ def markdown(results: dict) -> str:
             cells += [median_range(point and point["perplexity"], ".1f"), median_range(point and point["ratio"], ".3f")]
         peak = row.get("peak")
         cells.append(f"{median_range(peak['ratio'], '.3f')} ({peak['step']})" if peak else "—")
+        cells.append(_reached(row.get("reference_steps")) if row["variant"] != REFERENCE else "—")
         lines.append("| " + " | ".join(cells) + " |")
     gap, h = summary.get("train_loss_gap"), cfg["sync_steps"]
     if gap:
@@ -268,6 +289,15 @@ def markdown(results: dict) -> str:
                       "so they changed its wall time, not its figures)."]  # fmt: skip
     lines += run_record_lines(results)
     return "\n".join(lines)
+
+
+def _reached(reference: dict | None) -> str:
+    """The steps as median (min–max), and how many seeds' variant ended below the reference's last evaluation."""
+    if reference is None:
+        return "—"
+    missed = reference["not_reached"]
+    note = f"({missed} seed{'s' * (missed > 1)} ended below its last)" if missed else ""
+    return " ".join(x for x in (median_range(reference["steps"], ".0f") if reference["steps"] else "", note) if x)
 
 
 def plot(results: dict, out: Path) -> list[Path]:

@@ -91,6 +91,12 @@ def test_stream_quality_ratios_are_paired_by_seed_and_taken_at_the_report_steps(
     table = sq.markdown(results)
     assert "| FL+FSDP stream | `--fed_sync_fragments 4` `--fed_sync_overlap 1` | 185.0 (110.0–260.0) | " in table
     assert "| 1.200 (1.100–1.300) |" in table
+    # the steps blocking needs to reach a run's last eval loss, linear in the loss between its evaluations: seed 1's
+    # stream ends on 130 (between blocking's 200 at step 8 and 100 at 16); seed 0's on 40, below blocking's last
+    assert sq.step_reaching([[0, 8.0], [8, 6.0], [16, 5.0]], 5.5) == 12.0
+    assert sq.step_reaching([[0, 8.0], [8, 6.0]], 4.0) is None and sq.step_reaching([[0, 8.0], [8, 6.0]], 9.0) == 0
+    reached = results["summary"]["rows"][1]["reference_steps"]
+    assert reached["not_reached"] == 1 and reached["steps"]["median"] == pytest.approx(8 + 8 * math.log2(200 / 130))
     with pytest.raises(ValueError, match="must hold FL\\+FSDP"):
         sq.StreamQualityConfig(variants=("FL+FSDP stream", "FL+FSDP overlap")).validate()
     with pytest.raises(ValueError, match="multiple of 8"):
