@@ -17,17 +17,21 @@ on the held-out plays every 8 steps, so the gap shows over steps. The variants t
 Per variant: eval perplexity at fixed steps, median (min–max) over seeds, and its ratio to blocking fp32 FedAvg of
 the same seed (paired: the same initial weights and data order), median (min–max) over seeds. The evaluated model
 is the groups' plain average at that step (hf_fedshard's temporary global model), which for fp32 FedAvg is what a
-last averaging there would give: so the figure at step 32 is what a 32-step run would end on.
+last averaging there would give: so the figure at step 32 is what a 32-step run would end on. Every step's train loss
+is logged too (``--logging_steps 1``); its difference to the reference's at the same step and seed (the same batches)
+is averaged by phase of the H-step cycle, which shows where in the cycle a variant loses.
 
 Quality only, no timing: every launch runs under ``nice -n 19`` on this machine's loopback (no emulated cluster) and
 the study does not take the benchmark lock (harness/exclusive.py) that the timed studies hold. That is sound because
 what it reports, eval loss at equal tokens, does not depend on the speed of a step: each averaging (and the apply of
 an overlapped exchange) happens at a step fixed by the schedule, never by the clock, and an exchange that has not
 finished by then is waited for. Other jobs on the cores change the study's wall time (recorded, with the CPU other
-processes used meanwhile), not its figures; and the jobs waiting on the lock need not wait for this one.
+processes used meanwhile), not its figures; and the jobs waiting on the lock need not wait for this one. (Checked: the
+quick mode's blocking and stream runs, repeated under other loads, and with logging every step instead of every H,
+gave the same eval losses to the last bit.)
 
-    python benchmarks/stream_quality.py --quick   # micro, 32 steps, 3 variants, seeds 0 1 (about 4 min)
-    python benchmarks/stream_quality.py           # tiny, 200 steps, all 6 variants, seeds 0 1 (about 40 min)
+    python benchmarks/stream_quality.py --quick   # micro, 32 steps, 3 variants, seeds 0 1 (458 s on shared cores)
+    python benchmarks/stream_quality.py           # tiny, 200 steps, all 6 variants, seeds 0 1 (3,096 s, shared)
     python benchmarks/stream_quality.py --report-only benchmarks/results/stream_quality_full/results.json
 
 Results (JSON, Markdown, three PNGs) go to ``--out`` (default benchmarks/results/stream_quality_<quick|full>/).
@@ -169,6 +173,19 @@ def step_reaching(evals: list[list[float]], loss: float) -> float | None:
     return None
 
 
+def last_quarter_ratio(runs: list[dict], name: str, steps: int) -> dict | None:
+    """The ratio to the reference of the same seed, averaged over the evaluations of the run's last quarter
+    (steps > 3T/4): less noisy than the last evaluation alone. A `spread` over seeds; ``None`` without pairs."""
+    by_key = {(r["variant"], r["seed"]): r for r in runs}
+    means = []
+    for run in (r for r in runs if r["variant"] == name and (REFERENCE, r["seed"]) in by_key):
+        ref = dict(map(tuple, by_key[(REFERENCE, run["seed"])]["evals"]))
+        ratios = [math.exp(loss - ref[s]) for s, loss in run["evals"] if 4 * s > 3 * steps and s in ref]
+        if ratios:
+            means.append(statistics.fmean(ratios))
+    return spread(means) if means else None
+
+
 def reference_steps(runs: list[dict], name: str) -> dict:
     """The steps blocking fp32 FedAvg of the same seed took to reach the eval loss ``name`` ends on (what its last
     step is worth in the reference's steps): a `spread` over the seeds that reached it, and how many did not."""
@@ -238,7 +255,8 @@ def summarize(runs: list[dict], cfg: dict) -> dict:
         others = [p for p in lines[name] if p["ratio"] and p["step"] > 0] if name != REFERENCE else []
         peak = max(others, key=lambda p: p["ratio"]["median"], default=None)  # where the gap was widest
         rows.append({"variant": name, "settings": settings, "at": [at.get(s) for s in study.report_steps()],
-                     "peak": peak, "reference_steps": reference_steps(runs, name)})  # fmt: skip
+                     "last_quarter": last_quarter_ratio(runs, name, study.steps), "peak": peak,
+                     "reference_steps": reference_steps(runs, name)})  # fmt: skip
     gap = train_loss_gap(runs, study.variants, study.sync_steps)
     return {"curves": lines, "rows": rows, "report_steps": study.report_steps(), "train_loss_gap": gap}
 
@@ -258,8 +276,9 @@ def markdown(results: dict) -> str:
         "",
         "| variant | settings | "
         + " | ".join(f"eval ppl at {s} | ÷ {REFERENCE} at {s}" for s in steps)
-        + f" | largest ÷ {REFERENCE} (step) | {REFERENCE} reached its ppl at {cfg['steps']} at step |",
-        "|---|---|" + "---:|---:|" * len(steps) + "---:|---:|",
+        + f" | ÷ {REFERENCE}, mean over steps {3 * cfg['steps'] // 4 + 1}–{cfg['steps']} | largest ÷ {REFERENCE} "
+        f"(step) | {REFERENCE} reached its ppl at {cfg['steps']} at step |",
+        "|---|---|" + "---:|---:|" * len(steps) + "---:|---:|---:|",
     ]
     for row in summary["rows"]:
         settings = " ".join(f"`{k} {v}`" for k, v in zip(row["settings"][::2], row["settings"][1::2], strict=True))
@@ -267,6 +286,7 @@ def markdown(results: dict) -> str:
         for point in row["at"]:
             cells += [median_range(point and point["perplexity"], ".1f"), median_range(point and point["ratio"], ".3f")]
         peak = row.get("peak")
+        cells.append(median_range(row.get("last_quarter"), ".3f"))
         cells.append(f"{median_range(peak['ratio'], '.3f')} ({peak['step']})" if peak else "—")
         cells.append(_reached(row.get("reference_steps")) if row["variant"] != REFERENCE else "—")
         lines.append("| " + " | ".join(cells) + " |")

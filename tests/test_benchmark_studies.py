@@ -88,6 +88,8 @@ def test_stream_quality_ratios_are_paired_by_seed_and_taken_at_the_report_steps(
     assert stream[16]["ratio"] == pytest.approx({"median": 1.2, "min": 1.1, "max": 1.3, "n": 2})
     assert stream[16]["perplexity"] == pytest.approx({"median": 92.5, "min": 55.0, "max": 130.0, "n": 2})
     assert stream[24]["ratio"] is None  # no blocking run there to pair with
+    last_quarter = results["summary"]["rows"][1]["last_quarter"]  # steps > 12 that both evaluated: 16 only
+    assert last_quarter == pytest.approx({"median": 1.2, "min": 1.1, "max": 1.3, "n": 2})
     table = sq.markdown(results)
     assert "| FL+FSDP stream | `--fed_sync_fragments 4` `--fed_sync_overlap 1` | 185.0 (110.0–260.0) | " in table
     assert "| 1.200 (1.100–1.300) |" in table
