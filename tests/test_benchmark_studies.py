@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from transformers import TrainerControl, TrainerState
 
 from benchmarks import goodput, overlap, quality, scaling
 from benchmarks import layout_change as lc
+from benchmarks import stream_quality as sq
 from benchmarks import time_to_quality as ttq
 from benchmarks.harness import RESULTS, bench_train, faults, progress, results_folder
 from benchmarks.harness.netns import list_namespaces
@@ -67,6 +69,40 @@ def test_quality_summary_is_median_and_range_over_seeds():
     (row,) = quality.summarize(runs, cfg)["rows"]
     assert (row["median"], row["min"], row["max"], row["seeds"]) == (20.0, 10.0, 30.0, 3)
     assert "20.0 (10.0–30.0)" in quality.markdown(quality.summarize(runs, cfg))
+
+
+def test_stream_quality_ratios_are_paired_by_seed_and_taken_at_the_report_steps():
+    """Seed 1's blocking run is twice as bad as seed 0's; each stream run is 10% and 30% above its own seed's: the
+    ratio is paired (1.1, 1.3), never a ratio of medians, and a step the reference lacks has no ratio."""
+    evals = {("FL+FSDP", 0): [100.0, 50.0], ("FL+FSDP", 1): [200.0, 100.0],
+             ("FL+FSDP stream", 0): [110.0, 55.0], ("FL+FSDP stream", 1): [260.0, 130.0]}  # fmt: skip
+    runs = [{"variant": v, "seed": seed, "evals": [[8 * (i + 1), math.log(p)] for i, p in enumerate(ppl)]}
+            for (v, seed), ppl in evals.items()]  # fmt: skip
+    runs[2]["evals"].append([24, math.log(40.0)])  # the stream run evaluated once more than its reference
+    cfg = sq.StreamQualityConfig(variants=("FL+FSDP", "FL+FSDP stream"), steps=16, eval_steps=8)
+    cfg.validate()
+    results = {"config": asdict(cfg)}
+    results["summary"] = sq.summarize(runs, results["config"])
+    assert results["summary"]["report_steps"] == [8, 16]
+    stream = {p["step"]: p for p in results["summary"]["curves"]["FL+FSDP stream"]}
+    assert stream[16]["ratio"] == pytest.approx({"median": 1.2, "min": 1.1, "max": 1.3, "n": 2})
+    assert stream[16]["perplexity"] == pytest.approx({"median": 92.5, "min": 55.0, "max": 130.0, "n": 2})
+    assert stream[24]["ratio"] is None  # no blocking run there to pair with
+    last_quarter = results["summary"]["rows"][1]["last_quarter"]  # steps > 12 that both evaluated: 16 only
+    assert last_quarter == pytest.approx({"median": 1.2, "min": 1.1, "max": 1.3, "n": 2})
+    table = sq.markdown(results)
+    assert "| FL+FSDP stream | `--fed_sync_fragments 4` `--fed_sync_overlap 1` | 185.0 (110.0–260.0) | " in table
+    assert "| 1.200 (1.100–1.300) |" in table
+    # the steps blocking needs to reach a run's last eval loss, linear in the loss between its evaluations: seed 1's
+    # stream ends on 130 (between blocking's 200 at step 8 and 100 at 16); seed 0's on 40, below blocking's last
+    assert sq.step_reaching([[0, 8.0], [8, 6.0], [16, 5.0]], 5.5) == 12.0
+    assert sq.step_reaching([[0, 8.0], [8, 6.0]], 4.0) is None and sq.step_reaching([[0, 8.0], [8, 6.0]], 9.0) == 0
+    reached = results["summary"]["rows"][1]["reference_steps"]
+    assert reached["not_reached"] == 1 and reached["steps"]["median"] == pytest.approx(8 + 8 * math.log2(200 / 130))
+    with pytest.raises(ValueError, match="must hold FL\\+FSDP"):
+        sq.StreamQualityConfig(variants=("FL+FSDP stream", "FL+FSDP overlap")).validate()
+    with pytest.raises(ValueError, match="multiple of 8"):
+        sq.StreamQualityConfig(sync_steps=4, eval_steps=4).validate()
 
 
 def test_scaling_spread_and_methods_per_scale():

@@ -6,7 +6,8 @@ shares (`shared_args`); `benchmark` builds the cluster a `BenchConfig` describes
 the other with the real multi-node launcher, and returns every figure (`report.summarize`) with the machine's
 load around each method. Used by benchmarks/tiers.py, scaling.py and overlap.py; time_to_quality.py runs its own
 methods and settings through `run_methods`; quality.py and outer_lr_sweep.py take the data and shared arguments only,
-layout_change.py the data only.
+layout_change.py the data only; stream_quality.py the data and shared arguments, and trains on this machine's
+loopback through `train_on_localhost` (no emulated cluster: a study of the loss only).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -155,6 +158,36 @@ def prepare_data(cfg: BenchConfig, cache: Path) -> Path:
     blocks.save_to_disk(str(path / "blocks"))
     tokenizer.save_pretrained(str(path / "tokenizer"))
     return path
+
+
+def train_on_localhost(
+    world: int, args: list[str], data: Path, run_dir: Path, timeout_s: float, niceness: int = 0
+) -> dict:
+    """bench_train.py on ``world`` ranks of this machine (``torchrun --standalone``, no namespaces); rank 0's record.
+
+    For the studies of the loss only: nothing here shapes or measures the network. ``niceness`` > 0 runs the launcher
+    and its ranks under ``nice -n niceness``, so that a long study yields the cores to other jobs. The ranks' output
+    goes to ``run_dir/log.txt``; a failed run raises with its tail.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [*(["nice", "-n", str(niceness)] if niceness else []), sys.executable, "-m", "torch.distributed.run",
+           "--standalone", f"--nproc_per_node={world}", str(TRAIN_SCRIPT), "--data_dir", str(data),
+           "--record_dir", str(run_dir / "records"), "--output_dir", str(run_dir / "out"), *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
+    log = run_dir / "log.txt"
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = launcher.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's session: its ranks go too
+            launcher.wait()
+            code = f"killed after {timeout_s:.0f} s"
+    if code:
+        raise RuntimeError(f"bench_train.py on {world} ranks failed (exit {code}); log in {log}:\n"
+                           f"{log.read_text()[-5000:]}")  # fmt: skip
+    return json.loads((run_dir / "records" / "rank0.json").read_text())
 
 
 def run_method(
