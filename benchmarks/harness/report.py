@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hf_fedshard.tools.cost import GLOO, ModelCost, Network, method_layouts, step_cost, sync_bytes_per_value
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.transports.mesh import FederationLayout, parse_group_size
 
 AVERAGING = ("FL+FSDP", "FL+HSDP", "LocalSGD")
 BYTES_TOLERANCE = 0.15
@@ -66,7 +66,7 @@ def layout_of(method: str, cfg: dict) -> tuple[FederationLayout, int | None]:
     layouts["LocalSGD"] = (FederationLayout(w, 1, 1), h)  # every rank its own group of one, world all-reduce
     sizes = variant_settings(method).get("fed_group_size")
     if sizes is not None:  # a variant of other group sizes (4-node world)
-        return FederationLayout(w, tuple(int(x) for x in sizes.split(",")) if "," in sizes else int(sizes)), h
+        return FederationLayout(w, parse_group_size(sizes)), h
     return layouts[base_method(method)]
 
 

@@ -245,10 +245,9 @@ def layout_record(layout: FederationLayout, model: nn.Module, data: dict[str, in
 
 
 def recorded_layout(saved: dict[str, Any]) -> FederationLayout:
-    """The layout a ``fed_layout.json`` records (JSON keeps the sizes of groups of unequal size as a list)."""
-    size = saved["fed_group_size"]
-    size = tuple(size) if isinstance(size, list) else size
-    return FederationLayout(saved["world_size"], size, saved["fed_shard_size"])
+    """The layout a ``fed_layout.json`` records (a list of sizes for groups of unequal size, which the layout
+    takes as it takes a tuple)."""
+    return FederationLayout(saved["world_size"], saved["fed_group_size"], saved["fed_shard_size"])
 
 
 def write_layout_record(checkpoint: str, layout: FederationLayout, model: nn.Module, data: dict[str, int]) -> None:

@@ -129,11 +129,6 @@ def _mean_of_groups(
             t.copy_(total.div_(sum(weights)))
 
 
-def _old_weights(change: LayoutChange) -> list[int]:
-    old = recorded_layout(change.saved)
-    return [1] * old.num_groups if old.equal else list(old.group_sizes)
-
-
 def load_global_model(model: nn.Module, change: LayoutChange, group: ProcessGroup) -> None:
     """Load the checkpoint's global model (`global_model_source`) onto this group's shards."""
     if groups_held_global_model(change):
@@ -141,7 +136,7 @@ def load_global_model(model: nn.Module, change: LayoutChange, group: ProcessGrou
     folders = [os.path.join(group_dir(change.checkpoint, g), "model") for g in range(change.old_groups)]
     _mean_of_groups(
         lambda folder: load_group_model(model, folder, group), lambda: model_state_tensors(model), folders,
-        _old_weights(change),
+        recorded_layout(change.saved).group_weights,
     )  # fmt: skip
 
 
@@ -155,7 +150,7 @@ def load_mean_optimizer(
         lambda folder: load_group_optimizer(model, optimizer, folder, group),
         lambda: optimizer_state_tensors(optimizer, model),
         folders,
-        _old_weights(change),
+        recorded_layout(change.saved).group_weights,
     )
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -30,7 +29,7 @@ from hf_fedshard.engine.settings_history import AveragingSettings
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.timeouts import start_world_process_group
 from hf_fedshard.notices import notice as _notice
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.transports.mesh import FederationLayout, parse_group_size
 
 TRANSPORTS = ("mesh", "torchft")
 
@@ -227,7 +226,7 @@ class FedShardArgumentsMixin:
 
     def __post_init__(self) -> None:
         # Adjust FSDP, use_cpu and token averaging before TrainingArguments reads them.
-        self.fed_group_size = _group_sizes(self.fed_group_size)
+        self.fed_group_size = parse_group_size(self.fed_group_size)
         self._check_transport()
         if self.fed_elastic:  # every group writes its own checkpoints, logs and exports: no barrier across groups
             self.output_dir = os.path.join(self.output_dir or "trainer_output", f"fed_group{self.fed_group_id}")
@@ -462,21 +461,6 @@ class FedShardArgumentsMixin:
         if _env_flag("ACCELERATE_USE_FSDP"):
             return int(os.environ.get("FSDP_VERSION", "1"))
         return None
-
-
-def _group_sizes(value: int | str | Sequence[int] | None) -> int | tuple[int, ...] | None:
-    """``fed_group_size`` as given on the command line ("2", "4,2,2") or in code: an int, or one size per group."""
-    if value is None or isinstance(value, int):
-        return value
-    parts = value.split(",") if isinstance(value, str) else list(value)
-    try:
-        sizes = tuple(int(part) for part in parts)
-    except ValueError:
-        raise ConfigError(
-            f"fed_group_size={value!r} is not a size or a comma-separated list of sizes: e.g. --fed_group_size 4 "
-            "(groups of 4 ranks) or --fed_group_size 4,2,2 (one size per group)."
-        ) from None
-    return sizes[0] if len(sizes) == 1 else sizes
 
 
 @dataclass

@@ -23,6 +23,7 @@ import functools
 import gc
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -138,6 +139,11 @@ class FederationLayout:
     def ranks_of(self, group: int) -> tuple[int, ...]:
         start = self.first_rank(group)
         return tuple(range(start, start + self.size_of(group)))
+
+    @property
+    def group_weights(self) -> list[int]:
+        """Each group's weight in a mean over groups: its ranks (the samples it reads) where sizes differ, else 1."""
+        return [1] * self.num_groups if self.equal else list(self.group_sizes)
 
     @property
     def distinct_sizes(self) -> list[int]:
@@ -256,6 +262,21 @@ def _flatten_group_axes(mesh: DeviceMesh, shard_cp: bool = True) -> None:
     in_group = (MeshAxis.REPLICATE.value, MeshAxis.SHARD.value)
     mesh[in_group]._flatten(MeshAxis.DATA.value)
     mesh[in_group]._flatten(MeshAxis.DATA_CP.value)
+
+
+def parse_group_size(value: int | str | Sequence[int] | None) -> int | tuple[int, ...] | None:
+    """``fed_group_size`` as given on the command line ("2", "4,2,2") or in code: an int, or one size per group."""
+    if value is None or isinstance(value, int):
+        return value
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        sizes = tuple(int(part) for part in parts)
+    except ValueError:
+        raise ConfigError(
+            f"fed_group_size={value!r} is not a size or a comma-separated list of sizes: e.g. --fed_group_size 4 "
+            "(groups of 4 ranks) or --fed_group_size 4,2,2 (one size per group)."
+        ) from None
+    return sizes[0] if len(sizes) == 1 else sizes
 
 
 def _unequal_sizes(sizes: tuple[int, ...], world_size: int, shard_size: int | None) -> int | tuple[int, ...]:
