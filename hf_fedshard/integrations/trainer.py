@@ -18,7 +18,13 @@ from torch.distributed.fsdp import StateDictType
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, has_length, rotate_checkpoints
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    IntervalStrategy,
+    SaveStrategy,
+    has_length,
+    rotate_checkpoints,
+)
 
 from hf_fedshard.checkpointing.averaging_state import load_averaging_state, read_counters, save_averaging_state
 from hf_fedshard.checkpointing.checkpoint import (
@@ -216,6 +222,22 @@ class FedShardMixin(Trainer):
             return super().training_step(*args, **kwargs)
         with gathers_within_group(self.accelerator, self._group_pg if self._group_size > 1 else None):
             return super().training_step(*args, **kwargs)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        # Without clipping (max_grad_norm 0) Trainer measures the norm, a collective, only to log it: not on steps
+        # that do not log (a step a callback alone chooses to log has no grad_norm).
+        if grad_norm is None and not self._logs_after_this_step():
+            return None
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _logs_after_this_step(self) -> bool:
+        """Whether Trainer's own schedule (`DefaultFlowCallback`) logs the optimizer step now being taken."""
+        strategy, step = self.args.logging_strategy, self.state.global_step + 1
+        if step == 1 and self.args.logging_first_step:
+            return True
+        if strategy == IntervalStrategy.STEPS:
+            return step % self.state.logging_steps == 0
+        return strategy != IntervalStrategy.NO  # by epoch: the epoch's last step is not known here, measure each
 
     def _evaluate_each_group(self) -> None:
         """Evaluate every group's own model (the averager calls this before the global model is evaluated)."""
