@@ -3,11 +3,13 @@
 
 In process (fast): the settings' refusals. Multi-process (torchrun launches of 2 and 1 ranks + a lighthouse, gloo,
 real FSDP2): the federation equals the one-job mesh transport with ``--fed_group_size 2,1`` to the bit (samples,
-eval loss, final weights), FL+FSDP with fp32 FedAvg and FL+HSDP with Nesterov and int8.
+eval loss, final weights), FL+FSDP with fp32 FedAvg and FL+HSDP with Nesterov and int8; a restarted group behind
+a group of another size is refused in one line while the other goes on.
 """
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -56,12 +58,14 @@ SIZES = (2, 1)
 TINY = ["--num_samples", "128", "--fed_group_size", ",".join(map(str, SIZES))]
 
 
-def start_unequal_group(group: int, out_dir: Path, args: list[str], address: str) -> object:
+def start_unequal_group(
+    group: int, out_dir: Path, args: list[str], address: str, max_restarts: int = 0
+) -> subprocess.Popen:
     """Start group ``group`` (``SIZES[group]`` ranks) of a torchft federation running tests/scripts/train_tiny.py."""
     elastic = ["--fed_transport", "torchft", "--fed_lighthouse", address, "--fed_group_id", group,
                "--fed_num_groups", len(SIZES)]  # fmt: skip
     script_args = ["--output_dir", out_dir, "--dump_dir", out_dir / f"dump{group}", *SGD, *elastic, *args]
-    return start_torchrun(SIZES[group], SCRIPTS / "train_tiny.py", script_args)
+    return start_torchrun(SIZES[group], SCRIPTS / "train_tiny.py", script_args, max_restarts)
 
 
 def train_unequal_groups(out_dir: Path, args: list[str], address: str) -> list[list[dict]]:
@@ -103,3 +107,26 @@ def test_unequal_torchft_launches_equal_the_one_job_mesh_to_the_bit(tmp_path, ex
                 )
             assert ours["eval"]["eval_loss"] == theirs["eval"]["eval_loss"]
             assert ours["log_history"][-3]["fed_groups_in_quorum"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_restarted_group_behind_unequal_groups_is_refused_in_one_line_and_the_others_go_on(tmp_path):
+    """Group 1 (1 rank) is SIGKILLed as step 6 begins and restarted by its torchrun; group 0 (2 ranks) redoes the
+    averaging of step 8 alone and goes on. The restarted group is behind a group of another size, whose shards it
+    cannot take (a heal across sizes is not built): it is refused in one line, and group 0 ends cleanly."""
+    marker = tmp_path / "group1-restarted"
+    common = [*TINY, "--num_samples", "512", "--max_steps", "40", "--fed_sync_steps", "4", "--fed_timeout_s", "30"]
+    kill = ["--kill_at_step", "6", "--fault_rank", "0", "--fault_group", "1", "--restart_marker", marker]
+    hold = ["--hold_at_step", "10", "--hold_until", marker, "--step_sleep_s", "1"]  # group 0 still runs at the rejoin
+    with lighthouse(min_groups=1) as address:
+        launches = [start_unequal_group(0, tmp_path, [*common, *hold], address),
+                    start_unequal_group(1, tmp_path, [*common, *kill], address, max_restarts=1)]  # fmt: skip
+        survivor, refused = (finish(launch, 500) for launch in launches)
+    assert survivor.returncode == 0, survivor.stdout[-6000:]
+    assert refused.returncode != 0, refused.stdout[-6000:]
+    line = "averaging(s) behind the live groups, and with groups of unequal size (fed_group_size list) a group cannot"
+    assert line in refused.stdout, refused.stdout[-6000:]
+    dump = torch.load(tmp_path / "dump0" / "rank0.pt", weights_only=False)
+    quorum = {h["step"]: h["fed_groups_in_quorum"] for h in dump["log_history"] if "fed_groups_in_quorum" in h}
+    assert quorum[4] == 2 and quorum[40] == 1, quorum
