@@ -99,10 +99,10 @@ def test_unequal_group_sizes_are_refused_in_one_line(tmp_path, monkeypatch, size
         parse(tmp_path, "--fed_group_size", sizes, *([] if shard is None else ["--fed_shard_size", str(shard)]))
 
 
-def test_unequal_group_sizes_parse_from_the_command_line_and_torchft_refuses_them(tmp_path, monkeypatch):
+def test_unequal_group_sizes_parse_from_the_command_line_and_torchft_checks_its_launch_size(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert _group_sizes_of(tmp_path, "1") == 1
-    with pytest.raises(ValueError, match=r"fed_group_size=4,2,2 lists groups of one job, but with fed_transport"):
+    with pytest.raises(ValueError, match=r"^fed_group_size=4,2,2 gives fed_group0 4 ranks, but this launch has"):
         parse(tmp_path, "--fed_group_size", "4,2,2", "--fed_transport", "torchft", "--fed_lighthouse",
               "http://h:1", "--fed_group_id", "0", "--fed_num_groups", "3")  # fmt: skip
 

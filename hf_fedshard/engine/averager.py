@@ -136,7 +136,8 @@ class FederatedAverager:
             )
         self.model, self.optimizer, self.before_eval = model, optimizer, before_eval
         self._addresses = model_state_addresses(model)
-        self.exchange, self._pieces = self._exchanges(options.sync_dtype)
+        self._shapes = self.comm.shapes  # the groups the exchanges below were built for
+        self._exchange, self._pieces = self._exchanges(options.sync_dtype)
         self.settings_history: History = [(0, self.settings)]
         self.counters = Counters()
         self.step_count = 0
@@ -279,6 +280,16 @@ class FederatedAverager:
         last one until `finish`, see `hf_fedshard.engine.control`), and the transport's own (torchft's quorum)."""
         membership = self.comm.membership
         return {**self.counters.metrics(), **(membership.metrics() if membership is not None else {})}
+
+    @property
+    def exchange(self) -> Exchange | PieceExchange:
+        """The exchange of Δ over this round's groups (rebuilt where a transport's groups of unequal size changed)."""
+        self._follow_groups()
+        return self._exchange
+
+    @exchange.setter
+    def exchange(self, exchange: Exchange | PieceExchange) -> None:
+        self._exchange = exchange
 
     # ---- Checkpoints ----
 
@@ -501,6 +512,7 @@ class FederatedAverager:
         """``tensors`` ← their plain mean over the groups (no outer step; weighted by the groups' samples where
         they are of unequal size), the bytes counted, a failure explained."""
         contributors = contributors or sum(self.comm.group_weights)
+        self._follow_groups()
         with self._explain():
             if self._pieces is not None:
                 sent = self._pieces.plain_mean(tensors, contributors, contribute, addresses)
@@ -557,14 +569,22 @@ class FederatedAverager:
     def _exchanges(self, sync_dtype: str) -> tuple[Exchange | PieceExchange, PieceExchange | None]:
         """The exchange of Δ, and with groups of unequal size the plain means' (over whole tensors, fp32); a shard
         that is not FSDP2's is refused there, before any collective."""
-        comm = self.comm
-        if comm.groups is None:
+        comm, shapes = self.comm, self._shapes
+        if shapes is None:
             return Exchange(comm.exchange_peers, sync_dtype, comm.split), None
         _check_dim0_shards(self.model)
-        plain = PieceExchange(comm.control, comm.groups, comm.group)
+        plain = PieceExchange(comm.control, shapes, comm.group)
         for address, tensor in zip(self._addresses, model_state_tensors(self.model), strict=True):
             plain.offset(address, tensor)
-        return PieceExchange(comm.exchange_peers, comm.groups, comm.group, sync_dtype), plain
+        return PieceExchange(comm.exchange_peers, shapes, comm.group, sync_dtype), plain
+
+    def _follow_groups(self) -> None:
+        """Rebuild the exchanges where the groups of unequal size changed since they were built (a new quorum of
+        torchft launches): pieces, owners and weights are functions of the groups."""
+        shapes = self.comm.shapes
+        if shapes != self._shapes:
+            self._shapes = shapes
+            self._exchange, self._pieces = self._exchanges(self.options.sync_dtype)
 
     def _payload_addresses(self) -> list[Address]:
         """The `Address` of each of `_payload`'s tensors."""

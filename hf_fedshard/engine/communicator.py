@@ -14,6 +14,8 @@ The engine never calls ``torch.distributed`` itself. A transport (``hf_fedshard.
 - ``groups``: with groups of unequal size (``fed_group_size 4,2,2``) no rank of one group holds what a rank of
   another holds, so there are no ``peers``: every exchange and plain mean addresses the whole tensors over
   ``control`` (or the worker's ``exchange``, every rank too), `hf_fedshard.engine.pieces`.
+  Where the groups of unequal size change between rounds (torchft: each group its own launch), ``round_groups``
+  gives the current round's instead.
 - ``membership``: ``None`` where the set of groups is fixed for the job (one job, `hf_fedshard.transports.mesh`);
   a `Membership` where groups may leave and join between averagings (`hf_fedshard.transports.elastic`): there
   ``peers.size()`` and ``peers.rank()`` follow the quorum of the groups alive, and every averaging commits or
@@ -97,6 +99,15 @@ class Membership(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
+class RoundGroups(Protocol):
+    """Groups of unequal size whose set changes between rounds (``fed_transport torchft``): the current round's,
+    numbered as in ``control``, and this rank's group among them."""
+
+    def shapes(self) -> tuple[GroupShape, ...]: ...
+
+    def index(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Round:
     """What `Membership.next_round` did: ``healed``: this group took a peer's state; ``changed``: the quorum is
@@ -122,6 +133,7 @@ class FederationCommunicator:
         membership: the rounds of a transport whose groups may change (`Membership`); ``None``: a fixed set.
         groups: groups of unequal size, their ranks numbered as in ``control``; ``None``: equal groups.
         this_group: this rank's index in ``groups``.
+        round_groups: groups of unequal size that change between rounds (instead of ``groups``/``this_group``).
     """
 
     peers: Communicator | None
@@ -133,23 +145,33 @@ class FederationCommunicator:
     membership: Membership | None = None
     groups: tuple[GroupShape, ...] | None = None
     this_group: int = 0
+    round_groups: RoundGroups | None = None
+
+    @property
+    def shapes(self) -> tuple[GroupShape, ...] | None:
+        """The groups of unequal size of this round (``None``: equal groups, exchanged over ``peers``)."""
+        return self.round_groups.shapes() if self.round_groups is not None else self.groups
 
     @property
     def num_groups(self) -> int:
-        return self.peers.size() if self.groups is None else len(self.groups)
+        shapes = self.shapes
+        return self.peers.size() if shapes is None else len(shapes)
 
     @property
     def group(self) -> int:
         """This rank's federation group."""
+        if self.round_groups is not None:
+            return self.round_groups.index()
         return self.peers.rank() if self.groups is None else self.this_group
 
     @property
     def exchange_peers(self) -> Communicator:
         if self.exchange is not None:
             return self.exchange
-        return self.peers if self.groups is None else self.control
+        return self.peers if self.shapes is None else self.control
 
     @property
     def group_weights(self) -> list[int]:
         """Each group's weight in a mean: its ranks with unequal groups (the samples it reads), else 1."""
-        return [1] * self.num_groups if self.groups is None else [g.weight for g in self.groups]
+        shapes = self.shapes
+        return [1] * self.num_groups if shapes is None else [g.weight for g in shapes]

@@ -46,7 +46,9 @@ class FedShardArgumentsMixin:
         fed_group_size (`int` or `str`, *optional*): ranks per federation group (contiguous ranks, e.g. one
             node). `None` or the world size means one group: plain FSDP/HSDP, no averaging. A comma-separated
             list (``"4,2,2"``, or a tuple) gives each group its own size, in rank order: groups of unequal size,
-            averaged by the samples each trained on (`hf_fedshard.engine.pieces`).
+            averaged by the samples each trained on (`hf_fedshard.engine.pieces`). With `fed_transport torchft`
+            the list names every launch's size (`fed_num_groups` of them; this launch's WORLD_SIZE is entry
+            `fed_group_id`).
         fed_shard_size (`int`, *optional*): ranks sharding one model copy inside a group. `None` means the
             group size (FL+FSDP); a divisor of it gives FL+HSDP with `fed_group_size // fed_shard_size`
             replicas per group.
@@ -119,7 +121,7 @@ class FedShardArgumentsMixin:
         default=None,
         metadata={
             "help": "Ranks per federation group (e.g. GPUs per node), or each group's, e.g. 4,2,2 (groups of "
-            "unequal size, in rank order). Default: the world (no federation)."
+            "unequal size, in rank order; torchft: every launch's). Default: the world (no federation)."
         },
     )
     fed_shard_size: int | None = field(
@@ -330,11 +332,15 @@ class FedShardArgumentsMixin:
         launch = self.fed_launch_layout
         if not self.fed_elastic:
             return launch
+        if isinstance(self.fed_group_size, tuple):  # groups of unequal size: the list names every group's
+            return FederationLayout(sum(self.fed_group_size), self.fed_group_size, self.fed_shard_size)
         return FederationLayout(launch.world_size * self.fed_num_groups, launch.group_size, launch.shard_size)
 
     @property
     def fed_launch_layout(self) -> FederationLayout:
         """This launch's ranks: the whole federation with ``mesh``, one group with torchft."""
+        if self.fed_elastic and isinstance(self.fed_group_size, tuple):
+            return FederationLayout.from_env(self.fed_group_size[self.fed_group_id], self.fed_shard_size)
         return FederationLayout.from_env(self.fed_group_size, self.fed_shard_size)
 
     def fed_group_index(self, process_index: int) -> int:
@@ -371,15 +377,27 @@ class FedShardArgumentsMixin:
             )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if isinstance(self.fed_group_size, tuple):
-            raise ConfigError(
-                f"fed_group_size={','.join(map(str, self.fed_group_size))} lists groups of one job, but with "
-                "fed_transport torchft every launch is one group, of any size: drop --fed_group_size and launch "
-                "each group with its own number of ranks (groups of unequal size under torchft are not built yet)."
-            )
-        if self.fed_group_size not in (None, world):
+            self._check_elastic_sizes(self.fed_group_size, world)
+        elif self.fed_group_size not in (None, world):
             raise ConfigError(
                 f"fed_group_size={self.fed_group_size} but this launch has WORLD_SIZE={world}: with fed_transport "
                 "torchft every launch is one group. Drop --fed_group_size (or launch that many ranks per group)."
+            )
+
+    def _check_elastic_sizes(self, sizes: tuple[int, ...], world: int) -> None:
+        """Groups of unequal size under torchft: the list names every group's size (each launch reads its data slice
+        and checks its peers by it), so it must have ``fed_num_groups`` entries and this launch must be its size."""
+        listed = ",".join(map(str, sizes))
+        if len(sizes) != self.fed_num_groups:
+            raise ConfigError(
+                f"fed_group_size={listed} names {len(sizes)} groups but fed_num_groups={self.fed_num_groups}: with "
+                "fed_transport torchft the list gives every group's size. Give one size per group."
+            )
+        if sizes[self.fed_group_id] != world:
+            raise ConfigError(
+                f"fed_group_size={listed} gives fed_group{self.fed_group_id} {sizes[self.fed_group_id]} ranks, but "
+                f"this launch has WORLD_SIZE={world}. Launch group {self.fed_group_id} on "
+                f"{sizes[self.fed_group_id]} ranks (or fix the list)."
             )
 
     def _check_elastic_schedule(self) -> None:

@@ -30,11 +30,13 @@ NOT_READY = "not_ready"
 def federation_fingerprint(trainer: FedShardMixin) -> str:
     """The settings every group of a torchft federation must share (compared whenever groups meet)."""
     args, layout = trainer.args, trainer.args.fed_launch_layout
+    if not args.fed_layout.equal:  # groups of unequal size: every launch names the same list of sizes
+        layout = args.fed_layout
     return fingerprint(
         model=model_fingerprint(trainer.model),
         averaging=dataclasses.replace(args.fed_averaging_options, timeout_s=None),  # each group its own timeout
         group=(layout.group_size, layout.shard_size),
-        group_batch=args.per_device_train_batch_size * layout.group_size * args.gradient_accumulation_steps,
+        group_batch=args.per_device_train_batch_size * layout.group_sizes[0] * args.gradient_accumulation_steps,
         num_groups=args.fed_num_groups,
         seed=args.seed,
         max_steps=args.max_steps,

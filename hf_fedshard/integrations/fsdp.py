@@ -72,20 +72,20 @@ def use_federation_mesh(accelerator: Accelerator, layout: FederationLayout) -> D
 
 @contextlib.contextmanager
 def world_data_view(
-    accelerator: Accelerator, group: int | None = None, num_groups: int | None = None
+    accelerator: Accelerator, first_rank: int | None = None, world_size: int | None = None
 ) -> Iterator[None]:
     """Hide the mesh while preparing a data loader, so batches are sharded over every rank of the world.
 
     Accelerate derives the number of data shards from the mesh's dp axes, which span one group; every group
-    must read its own slice of the data. With ``group`` (this launch is group ``group`` of ``num_groups``
-    launches, torchft) the shards are those of the federation's world, so the group reads what its ranks would
-    read in one job of ``num_groups`` groups.
+    must read its own slice of the data. With ``first_rank`` (this launch is one group of a federation of
+    launches, torchft, whose ranks would be ``first_rank`` … in one job of ``world_size`` ranks) the shards are
+    those of the federation's world, so the group reads what its ranks would read in that one job.
     """
     state = accelerator.state
     saved = state.device_mesh, state.num_processes, state.process_index
     state.device_mesh = None
-    if group is not None:
-        state.num_processes, state.process_index = num_groups * saved[1], group * saved[1] + saved[2]
+    if first_rank is not None:
+        state.num_processes, state.process_index = world_size, first_rank + saved[2]
     try:
         yield
     finally:

@@ -141,10 +141,11 @@ class FedShardMixin(Trainer):
         self.add_callback(TrainingClock())
         if self.args.fed_elastic:
             self.fed_federation = self._join_federation_of_launches()
-            split = self.args.fed_split_exchange and self.fed_layout.replicas > 1
+            launch = self.args.fed_launch_layout  # this group's replicas (groups of unequal size may differ)
+            split = self.args.fed_split_exchange and launch.replicas > 1
             self.fed_communicator = self.fed_federation.communicator(
                 ProcessGroupCommunicator(replica_process_group(self.fed_mesh)) if split else None,
-                self.fed_layout.replicas, _timeout_setting(self.args),
+                launch.replicas, _timeout_setting(self.args),
             )  # fmt: skip
         elif self.fed_layout.federated:
             self.fed_communicator = mesh_communicator(
@@ -201,8 +202,10 @@ class FedShardMixin(Trainer):
 
     def _get_dataloader(self, dataset: Any, description: str, *args: Any, **kwargs: Any):
         # Accelerate shards batches over the mesh's dp axes (one group); groups must read disjoint data.
-        group = self.args.fed_group_id if self.args.fed_elastic and kwargs.get("is_training") else None
-        with world_data_view(self.accelerator, group, self.args.fed_num_groups):
+        first_rank = None  # torchft: this launch reads what its ranks read in one job of the nominal layout
+        if self.args.fed_elastic and kwargs.get("is_training"):
+            first_rank = self.fed_layout.first_rank(self.args.fed_group_id)
+        with world_data_view(self.accelerator, first_rank, self.fed_layout.world_size):
             dataloader = super()._get_dataloader(dataset, description, *args, **kwargs)
         # An evaluation without a batch would log no eval_loss; its length is the same on every rank.
         if not kwargs.get("is_training") and has_length(dataset) and len(dataloader) == 0:
@@ -373,7 +376,7 @@ class FedShardMixin(Trainer):
             lighthouse=self.args.fed_lighthouse, group_id=self.args.fed_group_id,
             num_groups=self.args.fed_num_groups, group=torch.distributed.group.WORLD,
             timeout_s=self.args.fed_exchange_timeout_s, fingerprint=federation_fingerprint(self),
-            provide=lambda: peer_state(self), receive=self._take_peer_state,
+            provide=lambda: peer_state(self), receive=self._take_peer_state, layout=self.fed_layout,
         )  # fmt: skip
 
     def _join_quorum(self, checkpoint: str | None) -> str | None:
@@ -421,7 +424,7 @@ class FedShardMixin(Trainer):
     @property
     def _group_size(self) -> int:
         """The ranks of this rank's group (groups may differ in size)."""
-        return self.fed_layout.size_of(self._group_index)
+        return self.args.fed_launch_layout.size_of(self._group_index)
 
     @property
     def _group_index(self) -> int:

@@ -14,6 +14,8 @@ at this rank's position in those groups: the engine's ``peers``. An averaging is
   the training loop adds, see `ElasticFederation.provide`).
 
 The control all-reduce (every rank of the federation) is an all-reduce inside the group, then across the quorum.
+Groups of unequal size (each launch given the list, ``--fed_group_size 4,2,2``) average over one process group of
+every rank of the quorum instead: `hf_fedshard.transports.quorum_world`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from hf_fedshard.engine.communicator import (
     Round,
 )
 from hf_fedshard.errors import ConfigError
+from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.transports.quorum_world import UnequalQuorum, quorum_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +147,8 @@ class ElasticFederation:
         fingerprint: the settings every group must share (checked when groups meet).
         provide: returns this rank's state for a joining peer (called right after a committed averaging).
         receive: takes a peer's state (`provide`'s) when this group heals.
+        layout: the nominal federation where its groups are of unequal size (``fed_group_size 4,2,2``): they
+            average over every rank of the quorum (`UnequalQuorum`); ``None``: equal groups.
     """
 
     def __init__(
@@ -156,6 +162,7 @@ class ElasticFederation:
         fingerprint: str,
         provide: Callable[[], dict],
         receive: Callable[[dict], None],
+        layout: FederationLayout | None = None,
     ) -> None:
         _import_torchft()  # refuse a missing torchft at construction, before training
         self.group_id, self.num_groups, self.group = group_id, num_groups, group
@@ -169,13 +176,17 @@ class ElasticFederation:
         self._healed = False
         self._quorum_id: int | None = None
         self.peers = QuorumPeers(self)
+        self.unequal = None if layout is None or layout.equal else UnequalQuorum(self, layout)
 
     def _start(self) -> None:
         """Start torchft's side (its Manager heartbeats to the lighthouse from now on) right before the first
         quorum: a group that heartbeats long before it asks would hold the others' quorum up to --join_timeout_s."""
         torchft, group, timeout = _import_torchft(), self.group, timedelta(seconds=self.timeout_s)
         use_cuda = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
-        self.pg = torchft.ProcessGroupNCCL(timeout=timeout) if use_cuda else torchft.ProcessGroupGloo(timeout=timeout)
+        base = torchft.ProcessGroupNCCL if use_cuda else torchft.ProcessGroupGloo
+        self.pg = base(timeout=timeout) if self.unequal is None else quorum_process_group(base, timeout)
+        if self.unequal is not None:
+            self.unequal.pg = base(timeout=timeout)
         self._store = _group_store(group)
         try:
             self.manager = torchft.Manager(
@@ -193,7 +204,13 @@ class ElasticFederation:
             ) from err
 
     def communicator(self, split: Communicator | None, hsdp_replicas: int, timeout: str) -> FederationCommunicator:
-        """The engine's collectives over the quorum (FL+HSDP: ``split`` over the group's replicas)."""
+        """The engine's collectives over the quorum (FL+HSDP: ``split`` over the group's replicas; groups of unequal
+        size: every rank of the quorum, whose pieces need no split)."""
+        if self.unequal is not None:
+            return FederationCommunicator(
+                peers=None, control=self.unequal.world, hsdp_replicas=hsdp_replicas, timeout=timeout,
+                membership=self, round_groups=self.unequal,
+            )  # fmt: skip
         return FederationCommunicator(
             peers=self.peers, control=GroupThenQuorum(self.group, self.peers), split=split,
             hsdp_replicas=hsdp_replicas, timeout=timeout, membership=self,
@@ -225,8 +242,8 @@ class ElasticFederation:
 
     def commit(self) -> bool:
         committed = self.manager.should_commit()
-        if committed:
-            self.groups_averaged = self.peers.size()  # the quorum of this averaging, before the next one forms
+        if committed:  # the quorum of this averaging, before the next one forms
+            self.groups_averaged = self.peers.size() if self.unequal is None else len(self.unequal.shapes())
         return committed
 
     def next_round(self) -> Round:
@@ -234,7 +251,7 @@ class ElasticFederation:
         self._healed = False
         begin = time.perf_counter()
         try:
-            self.manager.start_quorum()
+            self.manager.start_quorum(allow_heal=self.unequal is None)  # unequal: torchft's heal pairs no shards
         except ConfigError:
             raise
         except Exception as err:  # the lighthouse is unreachable, or no quorum formed within the timeout
@@ -245,7 +262,9 @@ class ElasticFederation:
         quorum_id = self.manager._quorum_id  # torchft's id of the quorum; it changes when a group leaves or joins
         changed = quorum_id != self._quorum_id
         self._quorum_id = quorum_id
-        if changed:
+        if changed and self.unequal is not None:
+            self.unequal.configure()
+        elif changed:
             self._check_members()
         return Round(healed=self._healed, changed=changed)
 

@@ -1,0 +1,132 @@
+"""Groups of unequal size under ``fed_transport torchft``: every launch names every group's size
+(``--fed_group_size 2,1``) and the averaging runs over one process group of every rank of the quorum.
+
+In process (fast): the settings' refusals. Multi-process (torchrun launches of 2 and 1 ranks + a lighthouse, gloo,
+real FSDP2): the federation equals the one-job mesh transport with ``--fed_group_size 2,1`` to the bit (samples,
+eval loss, final weights), FL+FSDP with fp32 FedAvg and FL+HSDP with Nesterov and int8; a restarted group behind
+a group of another size is refused in one line while the other goes on.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_fedshard.errors import ConfigError
+
+from .asserts import labelled
+from .launch import SCRIPTS, SGD, finish, lighthouse, start_torchrun, train_tiny
+from .test_elastic import ELASTIC, parse
+
+# ---- Settings ----
+
+
+@pytest.mark.parametrize(
+    ("world", "extra", "message"),
+    [
+        (2, ["--fed_group_size", "2,1", "--fed_group_id", "0", "--fed_num_groups", "3"],
+         r"^fed_group_size=2,1 names 2 groups but fed_num_groups=3"),
+        (1, ["--fed_group_size", "2,1", "--fed_group_id", "0", "--fed_num_groups", "2"],
+         r"^fed_group_size=2,1 gives fed_group0 2 ranks, but this launch has WORLD_SIZE=1"),
+        (4, ["--fed_group_size", "4,2,2", "--fed_shard_size", "4", "--fed_group_id", "0", "--fed_num_groups", "3"],
+         r"^fed_group_size=4,2,2: fed_shard_size=4 must divide every group's size"),
+    ],
+)  # fmt: skip
+def test_unequal_torchft_settings_are_refused_in_one_line(world, extra, message, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError, match=message) as caught:
+        parse([*ELASTIC, *extra])
+    assert "\n" not in str(caught.value)
+
+
+def test_an_unequal_torchft_group_reads_its_slice_of_the_nominal_world(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = parse([*ELASTIC, "--fed_group_size", "2,1,2", "--fed_shard_size", "1", "--fed_group_id", "1",
+                  "--fed_num_groups", "3", "--output_dir", str(tmp_path)])  # fmt: skip
+    nominal, launch = args.fed_layout, args.fed_launch_layout
+    assert (nominal.world_size, nominal.group_sizes, nominal.first_rank(2)) == (5, (2, 1, 2), 3)
+    assert (launch.world_size, launch.num_groups, launch.replicas) == (1, 1, 1)
+    assert nominal.method == "FL+HSDP"
+
+
+# ---- Separate launches of unequal size (torchrun + lighthouse) ----
+
+SIZES = (2, 1)
+TINY = ["--num_samples", "128", "--fed_group_size", ",".join(map(str, SIZES))]
+
+
+def start_unequal_group(
+    group: int, out_dir: Path, args: list[str], address: str, max_restarts: int = 0
+) -> subprocess.Popen:
+    """Start group ``group`` (``SIZES[group]`` ranks) of a torchft federation running tests/scripts/train_tiny.py."""
+    elastic = ["--fed_transport", "torchft", "--fed_lighthouse", address, "--fed_group_id", group,
+               "--fed_num_groups", len(SIZES)]  # fmt: skip
+    script_args = ["--output_dir", out_dir, "--dump_dir", out_dir / f"dump{group}", *SGD, *elastic, *args]
+    return start_torchrun(SIZES[group], SCRIPTS / "train_tiny.py", script_args, max_restarts)
+
+
+def train_unequal_groups(out_dir: Path, args: list[str], address: str) -> list[list[dict]]:
+    launches = [start_unequal_group(g, out_dir, args, address) for g in range(len(SIZES))]
+    results = [finish(launch, 300) for launch in launches]
+    for g, result in enumerate(results):
+        assert result.returncode == 0, f"group {g}:\n{result.stdout[-6000:]}"
+    return [
+        [torch.load(out_dir / f"dump{g}" / f"rank{r}.pt", weights_only=False) for r in range(size)]
+        for g, size in enumerate(SIZES)
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param([], id="fedavg-fp32"),
+        pytest.param(["--fed_shard_size", "1", "--fed_outer_optimizer", "nesterov", "--fed_sync_dtype", "int8"],
+                     id="fl-hsdp-nesterov-int8"),
+    ],
+)  # fmt: skip
+def test_unequal_torchft_launches_equal_the_one_job_mesh_to_the_bit(tmp_path, extra):
+    """Launches of 2 and 1 ranks, H = 4, 10 steps: the same samples, shards, evaluation and final weights as one job
+    of 3 ranks with fed_group_size 2,1 (group 0 reads ranks 0-1's slices, group 1 rank 2's)."""
+    common = [*TINY, "--max_steps", "10", "--fed_sync_steps", "4", *extra]
+    with lighthouse(min_groups=2) as address:
+        groups = train_unequal_groups(tmp_path / "ft", common, address)
+    mesh = train_tiny(sum(SIZES), tmp_path / "mesh", common)
+    offsets = [0, SIZES[0]]
+    for g, size in enumerate(SIZES):
+        for r in range(size):
+            ours, theirs = groups[g][r], mesh[offsets[g] + r]
+            assert ours["seen"] == theirs["seen"], labelled(f"group {g} rank {r}: samples read")
+            for name, value in ours["local_params"].items():
+                torch.testing.assert_close(
+                    value, theirs["local_params"][name], rtol=0, atol=0, msg=labelled(f"group {g} rank {r} {name}")
+                )
+            assert ours["eval"]["eval_loss"] == theirs["eval"]["eval_loss"]
+            assert ours["log_history"][-3]["fed_groups_in_quorum"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_restarted_group_behind_unequal_groups_is_refused_in_one_line_and_the_others_go_on(tmp_path):
+    """Group 1 (1 rank) is SIGKILLed as step 6 begins and restarted by its torchrun; group 0 (2 ranks) redoes the
+    averaging of step 8 alone and goes on. The restarted group is behind a group of another size, whose shards it
+    cannot take (a heal across sizes is not built): it is refused in one line, and group 0 ends cleanly."""
+    marker = tmp_path / "group1-restarted"
+    common = [*TINY, "--num_samples", "512", "--max_steps", "40", "--fed_sync_steps", "4", "--fed_timeout_s", "30"]
+    kill = ["--kill_at_step", "6", "--fault_rank", "0", "--fault_group", "1", "--restart_marker", marker]
+    hold = ["--hold_at_step", "10", "--hold_until", marker, "--step_sleep_s", "1"]  # group 0 still runs at the rejoin
+    with lighthouse(min_groups=1) as address:
+        launches = [start_unequal_group(0, tmp_path, [*common, *hold], address),
+                    start_unequal_group(1, tmp_path, [*common, *kill], address, max_restarts=1)]  # fmt: skip
+        survivor, refused = (finish(launch, 500) for launch in launches)
+    assert survivor.returncode == 0, survivor.stdout[-6000:]
+    assert refused.returncode != 0, refused.stdout[-6000:]
+    line = "averaging(s) behind the live groups, and with groups of unequal size (fed_group_size list) a group cannot"
+    assert line in refused.stdout, refused.stdout[-6000:]
+    dump = torch.load(tmp_path / "dump0" / "rank0.pt", weights_only=False)
+    quorum = {h["step"]: h["fed_groups_in_quorum"] for h in dump["log_history"] if "fed_groups_in_quorum" in h}
+    assert quorum[4] == 2 and quorum[40] == 1, quorum
