@@ -4,6 +4,9 @@ Same work per rank in every method: the same Llama preset and initialisation, pe
 AdamW hyperparameters, gradient clipping, constant learning rate and number of optimizer steps, on 4 CPU ranks:
 
 - ``fedshard``: `FedShardTrainer`, FL+FSDP with 2 groups × 2 ranks, FedAvg every H steps;
+- ``fedshard_no_reshard``: the same with ``--fsdp_config '{"reshard_after_forward": false}'`` (Accelerate's
+  switch): each group keeps its layers gathered from forward to backward, one all-gather per layer less per step
+  for a whole model's parameters in memory;
 - ``trainer``: plain `transformers.Trainer` with FSDP2 over 2 ranks, run as two jobs of 2 ranks side by side
   (one group each, never averaging): the same per-rank compute and intra-group traffic as ``fedshard``. On CPU,
   Accelerate turns FSDP into DDP (see ../shared/FACTS.md), so its state is switched back to FSDP with the same
@@ -13,8 +16,11 @@ AdamW hyperparameters, gradient clipping, constant learning rate and number of o
 
 Each optimizer step is cut into phases from timestamps taken on rank 0: data (fetching the batch), forward,
 backward, optimizer (clipping, step, zero_grad, LR scheduler), averaging, and other (callbacks, logging and
-whatever else the loop does between steps). The methods run interleaved, ``--reps`` times each, and every figure
-is the median over repetitions with its spread (min–max). Run it alone on the machine (it takes
+whatever else the loop does between steps). Beside the wall clock, rank 0's CPU time per step (``process_time``):
+4 ranks share the cores, and CPU time counts the work a rank does, not the time it waits for the others, so it
+separates the loop's own cost from the machine's load. The methods run interleaved, ``--reps`` times each, and
+every figure is the median over repetitions with its spread (min–max); a ratio between two methods is taken in each
+repetition (they ran back to back) before its median. Run it alone on the machine (it takes
 /tmp/hf_fedshard_cpu.lock while it runs):
 
     python benchmarks/overhead.py                 # tiny preset, 48 steps, 3 repetitions (about 8 minutes)
@@ -41,7 +47,7 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
 from benchmarks.harness import results_folder  # noqa: E402
 from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
 
-METHODS = ("fedshard", "trainer", "handwritten")
+METHODS = ("fedshard", "fedshard_no_reshard", "trainer", "handwritten")
 PHASES = ("data", "forward", "backward", "optimizer", "averaging", "other")
 VOCAB = 8192
 LR, WEIGHT_DECAY, MAX_GRAD_NORM, SEED = 3e-4, 0.0, 1.0, 0
@@ -54,6 +60,7 @@ class Timeline:
         self.steps: list[dict[str, float]] = []
         self._current: dict[str, float] = {}
         self._last_end: float | None = None
+        self._last_cpu = time.process_time()
 
     def mark(self, name: str) -> None:
         self._current[name] = time.perf_counter()
@@ -76,6 +83,8 @@ class Timeline:
         record = {phase: self._current.get(phase, 0.0) for phase in PHASES if phase != "other"}
         record["total"] = now - start
         record["other"] = record["total"] - sum(record[p] for p in PHASES if p != "other")
+        cpu = time.process_time()
+        record["cpu"], self._last_cpu = cpu - self._last_cpu, cpu
         self.steps.append(record)
         self._current, self._last_end = {}, now
 
@@ -118,8 +127,9 @@ def trainer_worker(opts: argparse.Namespace) -> list[dict]:
         warmup_steps=0, logging_steps=opts.logging_steps, save_strategy="no", report_to="none",
         disable_tqdm=True, seed=SEED, dataloader_num_workers=0, average_tokens_across_devices=False,
     )  # fmt: skip
-    if opts.method == "fedshard":
-        args = FedShardTrainingArguments(**common, fed_group_size=2, fed_sync_steps=opts.sync_steps)
+    if opts.method.startswith("fedshard"):
+        keep = {"fsdp_config": {"reshard_after_forward": False}} if opts.method == "fedshard_no_reshard" else {}
+        args = FedShardTrainingArguments(**common, fed_group_size=2, fed_sync_steps=opts.sync_steps, **keep)
         base = FedShardTrainer
     else:
         args = TrainingArguments(**common, use_cpu=True, fsdp=True, fsdp_config={"version": 2})  # as FedShard's
@@ -152,7 +162,7 @@ def trainer_worker(opts: argparse.Namespace) -> list[dict]:
 
     class Phases(TrainerCallback):
         def on_train_begin(self, *a, **k):
-            timeline._last_end = time.perf_counter()
+            timeline._last_end, timeline._last_cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a, **k):  # runs first: the optimizer phase ends here
             timeline.add("optimizer", time.perf_counter() - timeline._current["backward_end"])
@@ -215,7 +225,7 @@ def handwritten_worker(opts: argparse.Namespace) -> list[dict]:
     loader = DataLoader(data, batch_size=opts.batch_size, sampler=sampler, collate_fn=default_data_collator)
     fed_group, num_groups = mesh.get_group("fed"), world // 2
     timeline, batches = Timeline(), iter(loader)
-    timeline._last_end = time.perf_counter()
+    timeline._last_end, timeline._last_cpu = time.perf_counter(), time.process_time()
     model.train()
     for step in range(1, opts.steps + 1):
         with timeline.timed("data"):
@@ -280,7 +290,7 @@ def summarise(jobs: list[tuple[int, list[dict]]], tokens_per_rank_step: int, war
     rate = sum(nproc * tokens_per_rank_step * len(steps[warmup:]) / sum(s["total"] for s in steps[warmup:])
                for nproc, steps in jobs)  # fmt: skip
     kept = [s for _, steps in jobs for s in steps[warmup:]]
-    phases = {p: statistics.mean(s[p] for s in kept) * 1000 for p in (*PHASES, "total")}
+    phases = {p: statistics.mean(s[p] for s in kept) * 1000 for p in (*PHASES, "total", "cpu")}
     return {"tokens_per_s": rate, "ms_per_step": phases}
 
 
@@ -288,13 +298,23 @@ def median_spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
+def paired(results: dict[str, list[dict]], method: str, base: str, key: str) -> tuple[float, float, float]:
+    """``method``'s figure ÷ ``base``'s in each repetition (the two ran back to back): median, min, max."""
+    return median_spread([value(m, key) / value(b, key) for m, b in zip(results[method], results[base], strict=True)])
+
+
+def value(run: dict, key: str) -> float:
+    return run["tokens_per_s"] if key == "tokens_per_s" else run["ms_per_step"][key]
+
+
 def report(results: dict[str, list[dict]]) -> str:
+    columns = (*PHASES, "total", "cpu")
     med = {m: median_spread([r["tokens_per_s"] for r in results[m]]) for m in results}
     lines = ["| method | tokens/s (median, min–max) | vs trainer | "
-             + " | ".join(f"{p} ms" for p in (*PHASES, "total")) + " |",
-             "|---|---:|---:|" + "---:|" * (len(PHASES) + 1)]  # fmt: skip
+             + " | ".join(f"{p} ms" for p in (*PHASES, "total")) + " | CPU ms (rank 0) |",
+             "|---|---:|---:|" + "---:|" * len(columns)]  # fmt: skip
     for method, runs in results.items():
-        phase_ms = [statistics.median(r["ms_per_step"][p] for r in runs) for p in (*PHASES, "total")]
+        phase_ms = [statistics.median(r["ms_per_step"][p] for r in runs) for p in columns]
         rate, low, high = med[method]
         ratio = rate / med["trainer"][0] if "trainer" in med else float("nan")
         lines.append(f"| {method} | {rate:,.0f} ({low:,.0f}–{high:,.0f}) | {ratio:.3f} | "
@@ -305,9 +325,17 @@ def report(results: dict[str, list[dict]]) -> str:
         cost = statistics.median(own) / statistics.median(base) - 1
         lines.append(f"\nhf_fedshard's own cost over Trainer + FSDP2 (step time less averaging): {cost:+.1%} "
                      f"(target ≤ +3%: {'met' if cost <= 0.03 else 'missed'})")  # fmt: skip
-    if "handwritten" in results and "fedshard" in results:
-        gap = med["handwritten"][0] / med["fedshard"][0] - 1
-        lines.append(f"Hand-written loop vs FedShardTrainer: {gap:+.1%} tokens/s")
+    for method in ("fedshard", "fedshard_no_reshard"):
+        if "handwritten" in results and method in results:
+            rate, low, high = paired(results, "handwritten", method, "tokens_per_s")
+            cpu = paired(results, method, "handwritten", "cpu")
+            lines.append(f"Hand-written loop vs {method}: {rate - 1:+.1%} ({low - 1:+.1%} to {high - 1:+.1%}) tokens/s "
+                         f"(target ≤ +5%: {'met' if rate <= 1.05 else 'missed'}); {method}'s CPU time per step "
+                         f"{cpu[0]:.3f}× ({cpu[1]:.3f}–{cpu[2]:.3f}) the loop's")  # fmt: skip
+    if "fedshard" in results and "fedshard_no_reshard" in results:
+        rate, low, high = paired(results, "fedshard_no_reshard", "fedshard", "tokens_per_s")
+        lines.append(f"reshard_after_forward false vs true: {rate - 1:+.1%} ({low - 1:+.1%} to {high - 1:+.1%}) "
+                     "tokens/s")  # fmt: skip
     return "\n".join(lines)
 
 
