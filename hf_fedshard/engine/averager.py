@@ -360,13 +360,18 @@ class FederatedAverager:
         def apply(result: _Exchanged) -> None:
             self._apply_exchanged(indices, params, others, result, time.perf_counter() - begin)
 
-        self._in_round(lambda: self._exchange_fragments(indices, params, others), apply)
+        self._in_round(lambda: self._exchange_fragments(indices, tensors, params, others), apply)
 
     def _exchange_fragments(
-        self, indices: Sequence[int], params: list[torch.Tensor], others: list[torch.Tensor]
+        self,
+        indices: Sequence[int],
+        payload: list[torch.Tensor],
+        params: list[torch.Tensor],
+        others: list[torch.Tensor],
     ) -> _Exchanged:
-        """The collectives of a blocking averaging, changing no state: the agreement, Δ's mean, the plain means."""
-        diverged, published = self._agree_values(self._payload())
+        """The collectives of a blocking averaging, changing no state: the agreement on the whole ``payload``, Δ's
+        mean, the plain means."""
+        diverged, published = self._agree_values(payload)
         contribute, contributors = self._contribution(diverged)
         addresses = self._payload_addresses()
         deltas, means, sent = [], [], 0
