@@ -22,9 +22,14 @@ the same repetition; peak resident memory per rank; a plot of every curve.
 
     python benchmarks/time_to_quality.py            # 10 methods, 2 repetitions, budget 120 s of training
     python benchmarks/time_to_quality.py --quick    # 2 nodes × 2 ranks, micro, 5 methods, 40 s, 1 repetition
+    python benchmarks/time_to_quality.py --topology three-tier   # 2 racks × 2 nodes × 2 ranks (1 Gbit/s in a
+                                                    # rack, 100 Mbit/s rack uplinks): HSDP, FL+HSDP, FSDP, FL+FSDP
     python benchmarks/time_to_quality.py --report-only benchmarks/results/time_to_quality_full/results.json
 
-Results (JSON, Markdown, PNG) go to ``--out`` (default benchmarks/results/time_to_quality_<quick|full>/).
+On three tiers the baseline is HSDP (sharded in a node, replicated across nodes) and its federated counterpart
+FL+HSDP (one group per rack): the times to reach HSDP's perplexity at the budget come first, FSDP's beside them.
+
+Results (JSON, Markdown, PNG) go to ``--out`` (default benchmarks/results/time_to_quality_<quick|full>[_three_tier]/).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from benchmarks.harness.report import (  # noqa: E402
     variant_settings,
     write_study,
 )
+from benchmarks.tiers import THREE_TIER  # noqa: E402
 
 # The best measured FL+FSDP settings (benchmarks/README.md, "Averaging hidden behind compute"): overlapping the
 # whole exchange with one step hid it (the loop waited 0.7% of bytes ÷ rate) for +13% tokens/s over blocking
@@ -68,6 +74,8 @@ ONE_RANK = "FL+FSDP 1 rank/group"
 LR_GRID = (0.5, 2.0, 4.0)  # FSDP's lr × these beside FSDP itself (× 1)
 MAIN = ("FSDP", "HSDP", "FL+FSDP", BEST, "FL+HSDP", "LocalSGD", ONE_RANK)
 QUICK = ("FSDP", "FSDP lr ×2", "FL+FSDP", BEST, "LocalSGD")
+THREE_TIER_LABELS = ("HSDP", "FL+HSDP", "FSDP", "FL+FSDP")
+FEDERATED = {"FSDP": "FL+FSDP", "HSDP": "FL+HSDP"}  # each baseline's federated counterpart, for the headline
 
 
 def lr_label(factor: float) -> str:
@@ -169,10 +177,13 @@ def tuned_fsdp(runs: list[dict], labels: tuple[str, ...]) -> str | None:
     return min(scored, key=lambda m: statistics.median(r["methods"][m]["loss_at_budget"] for r in runs))
 
 
-def combine(runs: list[dict], labels: tuple[str, ...], budget_s: float) -> dict:
-    """Every figure over the repetitions, with the targets: FSDP's (and the tuned FSDP's) perplexity at the budget."""
+def combine(runs: list[dict], labels: tuple[str, ...], budget_s: float, baselines: tuple[str, ...] = ("FSDP",)) -> dict:
+    """Every figure over the repetitions, with the targets: each baseline's (FSDP's; on three tiers HSDP's first)
+    perplexity at the budget, and the tuned FSDP's."""
     tuned = tuned_fsdp(runs, labels)
-    targets = {"FSDP": "FSDP", **({"tuned FSDP": tuned} if tuned else {})} if "FSDP" in labels else {}
+    targets = {b: b for b in baselines if b in labels}
+    if tuned and "FSDP" in labels:
+        targets["tuned FSDP"] = tuned
     out = {}
     for label in labels:
         per_rep = [r["methods"][label] for r in runs]
@@ -209,54 +220,83 @@ def reach_cell(figures: dict, key: str, n: int) -> str:
     return minutes if len(reached) == n else f"{minutes} in {len(reached)} of {n}; not reached in the others"
 
 
+def baseline_of(results: dict) -> str | None:
+    """The study's first baseline with a target (FSDP; HSDP on three tiers), ``None`` without one."""
+    return next((b for b in results.get("baselines", ["FSDP"]) if b in results["summary"]["targets"]), None)
+
+
+def cluster_description(cfg: dict) -> str:
+    """The emulated cluster in words: nodes and links (racks too on three tiers)."""
+    if cfg.get("racks", 1) > 1:
+        return (f"{cfg['racks']} racks × {cfg['nodes'] // cfg['racks']} nodes × {cfg['ranks_per_node']} ranks, links "
+                f"{cfg['rate_mbit']:g} Mbit/s between the nodes of a rack and {cfg['rack_rate_mbit']:g} Mbit/s "
+                "between racks")  # fmt: skip
+    return f"{cfg['nodes']} nodes × {cfg['ranks_per_node']} ranks, links {cfg['rate_mbit']:g} Mbit/s"
+
+
 def headline(results: dict) -> str | None:
-    """The README sentence ("to reach perplexity P, FL+FSDP needed X min where FSDP needed Y min"), from the run."""
-    summary, budget_s = results["summary"], results["budget_s"]
-    if "FSDP" not in summary["targets"] or "FL+FSDP" not in summary["methods"]:
+    """The README sentence ("to reach perplexity P, FL+FSDP needed X min where FSDP needed Y min"), from the run:
+    the first baseline against its federated counterpart (FL+HSDP against HSDP on three tiers)."""
+    summary, budget_s, baseline = results["summary"], results["budget_s"], baseline_of(results)
+    if baseline is None or FEDERATED[baseline] not in summary["methods"]:
         return None
-    p = summary["targets"]["FSDP"]
-    fl, fsdp = summary["methods"]["FL+FSDP"], summary["methods"]["FSDP"]
+    federated, p = FEDERATED[baseline], summary["targets"][baseline]
+    fl, base = summary["methods"][federated], summary["methods"][baseline]
     cfg, cores = results["config"], results["runs"][0]["machine"]["before"]["cpus"]
-    where = (f"{cfg['nodes']} nodes × {cfg['ranks_per_node']} ranks sharing {cores} CPU cores, {cfg['rate_mbit']:g} "
-             f"Mbit/s between nodes, Llama `{cfg['model_size']}`, a budget of {budget_s:g} s of training")  # fmt: skip
-    fl_time = reach_cell(fl, "time_to_FSDP", results["repeats"])
+    if cfg.get("racks", 1) > 1:
+        where = (f"{cfg['racks']} racks × {cfg['nodes'] // cfg['racks']} nodes × {cfg['ranks_per_node']} ranks sharing "
+                 f"{cores} CPU cores, {cfg['rate_mbit']:g} Mbit/s between the nodes of a rack and "
+                 f"{cfg['rack_rate_mbit']:g} Mbit/s between racks")  # fmt: skip
+    else:
+        where = (f"{cfg['nodes']} nodes × {cfg['ranks_per_node']} ranks sharing {cores} CPU cores, "
+                 f"{cfg['rate_mbit']:g} Mbit/s between nodes")  # fmt: skip
+    n, key = results["repeats"], f"time_to_{baseline}"
     return (
-        f"On {where}: to reach perplexity {median_range(p, '.1f')} (FSDP's at the budget), FL+FSDP needed "
-        f"{fl_time} min where FSDP needed {reach_cell(fsdp, 'time_to_FSDP', results['repeats'])} min "
-        f"(median (min–max) over {results['repeats']} repetition(s))."
+        f"On {where}, Llama `{cfg['model_size']}`, a budget of {budget_s:g} s of training: to reach perplexity "
+        f"{median_range(p, '.1f')} ({baseline}'s at the budget), {federated} needed {reach_cell(fl, key, n)} min where "
+        f"{baseline} needed {reach_cell(base, key, n)} min (median (min–max) over {n} repetition(s))."
     )
+
+
+def target_columns(summary: dict) -> list[tuple[str, bool]]:
+    """(target, with a speed-up column) per target, in the table's order: the tuned FSDP has no speed-up."""
+    return [(name, name != "tuned FSDP") for name in summary["targets"]]
 
 
 def markdown(results: dict) -> str:
     cfg, summary, n = results["config"], results["summary"], results["repeats"]
-    tuned = summary["tuned_fsdp"]
+    tuned, baseline = summary["tuned_fsdp"], baseline_of(results) or "FSDP"
+    columns = target_columns(summary)
+    several = sum(speed for _, speed in columns) > 1
+    header = "".join(f"| time to {name}'s ppl (min) " + (f"| speed-up{f' vs {name}' if several else ''} "
+                                                          if speed else "") for name, speed in columns)  # fmt: skip
+    others = [name for name in summary["targets"] if name not in (baseline, "tuned FSDP")]
     lines = [
-        f"{cfg['nodes']} nodes × {cfg['ranks_per_node']} ranks, links {cfg['rate_mbit']:g} Mbit/s, Llama "
-        f"`{cfg['model_size']}`, per-device batch {cfg['batch_size']} × {cfg['block_size']} tokens, lr "
-        f"{cfg['learning_rate']:g} (AdamW, constant), H = {cfg['sync_steps']}; budget {results['budget_s']:g} s of "
-        f"training clock (evaluations and logging excluded), evaluation of the global model on "
-        f"{cfg['eval_samples']} held-out blocks every {cfg['eval_steps']} steps; every group stops at the first "
-        f"evaluated step at or past the budget, curves cut at the budget (eval loss interpolated linearly in the "
-        f"clock). Median (min–max) over {n} interleaved repetition(s). Time to reach: minutes of training clock to "
-        f"FSDP's perplexity at the budget of the same repetition"
+        f"{cluster_description(cfg)}, Llama `{cfg['model_size']}`, per-device batch {cfg['batch_size']} × "
+        f"{cfg['block_size']} tokens, lr {cfg['learning_rate']:g} (AdamW, constant), H = {cfg['sync_steps']}; budget "
+        f"{results['budget_s']:g} s of training clock (evaluations and logging excluded), evaluation of the global "
+        f"model on {cfg['eval_samples']} held-out blocks every {cfg['eval_steps']} steps; every group stops at the "
+        "first evaluated step at or past the budget, curves cut at the budget (eval loss interpolated linearly in "
+        f"the clock). Median (min–max) over {n} interleaved repetition(s). Time to reach: minutes of training clock "
+        f"to {baseline}'s perplexity at the budget of the same repetition"
+        + "".join(f" (and {name}'s)" for name in others)
         + (f" (and the tuned FSDP's, {tuned})" if tuned else "")
-        + "; speed-up: FSDP's time ÷ the method's. Peak RSS: the largest rank's peak resident memory (VmHWM); "
-        "added: less its resident memory before the model was built.",
+        + f"; speed-up: {'that target' if several else baseline}'s time ÷ the method's. Peak RSS: the largest "
+        "rank's peak resident memory "
+        "(VmHWM); added: less its resident memory before the model was built.",
         "",
-        "| method | eval ppl at the budget | steps in the budget | time to FSDP's ppl (min) | speed-up "
-        + ("| time to tuned FSDP's ppl (min) " if tuned else "")
-        + "| peak RSS MB/rank | added MB/rank |",
-        "|---|---:|---:|---:|---:|" + ("---:|" if tuned else "") + "---:|---:|",
+        "| method | eval ppl at the budget | steps in the budget " + header + "| peak RSS MB/rank | added MB/rank |",
+        "|---|---:|---:|" + "".join("---:|" * (1 + speed) for _, speed in columns) + "---:|---:|",
     ]
     for label, f in summary["methods"].items():
         cells = [
             median_range(f["perplexity_at_budget"], ".1f") if f["perplexity_at_budget"] else "budget not reached",
             median_range(f["steps_in_budget"], ".0f"),
         ]
-        if "time_to_FSDP" in f:
-            cells += [reach_cell(f, "time_to_FSDP", n), median_range(f["speedup_to_FSDP"], ".2f")]
-        if tuned:
-            cells.append(reach_cell(f, "time_to_tuned FSDP", n))
+        for name, speed in columns:
+            cells.append(reach_cell(f, f"time_to_{name}", n))
+            if speed:
+                cells.append(median_range(f[f"speedup_to_{name}"], ".2f"))
         cells += [median_range(f["peak_rss_bytes_max"], ".0f", 1e-6), median_range(f["memory_added_bytes_max"],
                                                                                     ".0f", 1e-6)]  # fmt: skip
         mark = " (tuned)" if label == tuned else ""
@@ -264,9 +304,9 @@ def markdown(results: dict) -> str:
     stops = [label for label, f in summary["methods"].items() if not f["same_stop_step_on_every_rank"]]
     lines += ["", "Every rank of every method stopped at the same step." if not stops else
               f"**Ranks stopped at different steps** in: {', '.join(stops)}."]  # fmt: skip
-    others = {m: spread([r["machine"]["after_each_method"][m]["other_processes_cores"] for r in results["runs"]])
-              for m in summary["methods"]}  # fmt: skip
-    busy = ", ".join(f"{m} {median_range(c)}" for m, c in others.items())
+    busy_cores = {m: spread([r["machine"]["after_each_method"][m]["other_processes_cores"] for r in results["runs"]])
+                  for m in summary["methods"]}  # fmt: skip
+    busy = ", ".join(f"{m} {median_range(c)}" for m, c in busy_cores.items())
     lines += ["", "CPU cores kept busy by other processes while each method ran (average over its run; median "
               f"(min–max) over repetitions): {busy}."]  # fmt: skip
     sentence = headline(results)
@@ -287,11 +327,13 @@ def plot(results: dict, out: Path) -> Path:
             points = cut([(e["train_clock_s"], e["eval_loss"]) for e in run["methods"][label]["evals"]], budget_s)
             ax.plot([t / 60 for t, _ in points], [math.exp(loss) for _, loss in points], "-" if rep == 0 else "--",
                     color=f"C{index}", marker="o", markersize=2, linewidth=1, label=None if rep else name)  # fmt: skip
-    if "FSDP" in summary["targets"]:
-        ax.axhline(summary["targets"]["FSDP"]["median"], color="grey", linewidth=0.8, linestyle=":")
+    baseline = baseline_of(results)
+    if baseline is not None:
+        ax.axhline(summary["targets"][baseline]["median"], color="grey", linewidth=0.8, linestyle=":")
     ax.axvline(budget_s / 60, color="grey", linewidth=0.8, linestyle="--")
     ax.set(xlabel="training clock (min, evaluations excluded)", ylabel="eval perplexity (held-out plays)", yscale="log")
-    ax.set_title(f"Every repetition (solid: first); dotted: FSDP's perplexity at the {budget_s:g} s budget", fontsize=9)
+    ax.set_title(f"Every repetition (solid: first); dotted: {baseline}'s perplexity at the {budget_s:g} s budget",
+                 fontsize=9)  # fmt: skip
     ax.legend(fontsize=7)
     return save_figure(fig, out / "perplexity_vs_time.png")
 
@@ -302,9 +344,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, help="Seconds of training clock per method (default 120; 40 quick).")
     p.add_argument("--repeats", type=int, help="Interleaved repetitions (default 2; 1 with --quick).")
     p.add_argument("--methods", nargs="+", choices=METHODS, help="Default: all (quick: the five above).")
+    p.add_argument("--topology", choices=("two-tier", "three-tier"), default="two-tier",
+                   help="three-tier: " + ", ".join(f"{k} {v:g}" for k, v in THREE_TIER.items())
+                   + f"; {', '.join(THREE_TIER_LABELS)}; HSDP is the baseline.")  # fmt: skip
     p.add_argument("--nodes", type=int, help="Emulated nodes (default 4; 2 with --quick).")
     p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--rate-mbit", type=float, default=100.0, help="Inter-node link rate, Mbit/s each way.")
+    p.add_argument("--rate-mbit", type=float, help="Inter-node link rate, Mbit/s each way (100; three-tier: in a "
+                   "rack, 1000).")  # fmt: skip
     p.add_argument("--model-size", help="Llama preset (default tiny; micro with --quick).")
     p.add_argument("--sync-steps", type=int, help="H (default 8; 4 with --quick).")
     p.add_argument("--eval-steps", type=int, help="Evaluate every this many steps, a multiple of H (default H).")
@@ -318,14 +364,16 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, tuple[str, ...], float, int]:
-    quick = args.quick
-    labels = tuple(args.methods or (QUICK if quick else METHODS))
+    quick, three = args.quick, args.topology == "three-tier"
+    labels = tuple(args.methods or (THREE_TIER_LABELS if three else QUICK if quick else METHODS))
     budget_s = args.budget_s or (40.0 if quick else 120.0)
     h = args.sync_steps or (4 if quick else 8)
     eval_steps = args.eval_steps or h
     cap = 4096 // eval_steps * eval_steps  # a cap only: the budget stops every run long before it
     cfg = BenchConfig(
-        nodes=args.nodes or (2 if quick else 4), ranks_per_node=args.ranks_per_node, rate_mbit=args.rate_mbit,
+        nodes=args.nodes or (THREE_TIER["nodes"] if three else 2 if quick else 4), ranks_per_node=args.ranks_per_node,
+        rate_mbit=args.rate_mbit or (THREE_TIER["rate_mbit"] if three else 100.0),
+        racks=THREE_TIER["racks"] if three else 1, rack_rate_mbit=THREE_TIER["rack_rate_mbit"] if three else None,
         methods=tuple(dict.fromkeys("FSDP" if lr_factor(m) else "FL+FSDP" if m == ONE_RANK else m for m in labels)),
         model_size=args.model_size or ("micro" if quick else "tiny"), steps=cap, sync_steps=h, warmup_steps=h,
         eval_steps=eval_steps, eval_samples=32 if quick else 64, max_train_lines=args.max_train_lines,
@@ -339,12 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     if args.report_only:
         results = json.loads(args.report_only.read_text())
-        results["summary"] = combine(results["runs"], tuple(results["labels"]), results["budget_s"])
+        baselines = tuple(results.get("baselines", ["FSDP"]))
+        results["summary"] = combine(results["runs"], tuple(results["labels"]), results["budget_s"], baselines)
         print(write_study(args.report_only.parent, results, markdown))
         plot(results, args.report_only.parent)
         return 0
     cfg, labels, budget_s, repeats = config_from_args(args)
-    out = args.out or results_folder("time_to_quality", args.quick)
+    three = cfg.racks > 1
+    out = args.out or results_folder("time_to_quality", args.quick, "three_tier" if three else None)
+    baselines = ("HSDP", "FSDP") if three else ("FSDP",)
     spec = {label: study_args(label, cfg, budget_s) for label in labels}
     runs = []
     with exclusive_cores("benchmarks/time_to_quality.py"), tempfile.TemporaryDirectory(prefix="fedshard-ttq-") as tmp:
@@ -355,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             methods = {m: run_summary(r, budget_s, cfg.tokens_per_step) for m, r in done["records"].items()}
             runs.append({"methods": methods, "link": done["link"], "machine": done["machine"]})
     results = {"config": asdict(replace(cfg, methods=labels)), "labels": list(labels), "budget_s": budget_s,
-               "repeats": repeats, "method_args": spec, "summary": combine(runs, labels, budget_s),
-               "runs": runs}  # fmt: skip
+               "repeats": repeats, "method_args": spec, "baselines": list(baselines),
+               "summary": combine(runs, labels, budget_s, baselines), "runs": runs}  # fmt: skip
     results.update(run_record("benchmarks/time_to_quality.py", sys.argv[1:] if argv is None else argv, started))
     table = write_study(out, results, markdown)
     plot(results, out)

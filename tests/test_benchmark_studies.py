@@ -263,6 +263,40 @@ def test_time_to_quality_reports_per_repetition_against_fsdp_and_the_tuned_fsdp(
     )
 
 
+def test_time_to_quality_on_three_tiers_measures_fl_hsdp_against_hsdp_first():
+    cfg, labels = ttq.config_from_args(ttq.make_parser().parse_args(["--topology", "three-tier"]))[:2]
+    assert (cfg.racks, cfg.nodes, cfg.rate_mbit, cfg.rack_rate_mbit) == (2, 4, 1000.0, 100.0)
+    assert labels == ("HSDP", "FL+HSDP", "FSDP", "FL+FSDP")
+    assert ttq.study_args("FL+HSDP", cfg, 120)[:4] == ["--fed_group_size", "4", "--fed_shard_size", "2"]  # a rack
+    curves = {"HSDP": CURVES["FSDP"], "FL+HSDP": CURVES["FL+FSDP"], "FSDP": CURVES["LocalSGD"],
+              "FL+FSDP": CURVES["FSDP lr ×2"]}  # fmt: skip
+    runs = [{"methods": {m: ttq.run_summary(ttq_records(c[rep]), BUDGET_S, tokens_per_step=1000)
+                         for m, c in curves.items()},
+             "machine": {"before": {"cpus": 2}, "after_each_method": {m: {"other_processes_cores": 0.0}
+                                                                      for m in curves}}}
+            for rep in range(2)]  # fmt: skip
+    summary = ttq.combine(runs, labels, BUDGET_S, baselines=("HSDP", "FSDP"))
+    assert list(summary["targets"]) == ["HSDP", "FSDP"] and summary["tuned_fsdp"] is None  # no lr grid
+    fl = summary["methods"]["FL+HSDP"]
+    assert fl["time_to_HSDP"]["per_repetition"] == [7.0, 6.0]  # HSDP's targets 7.25 and 7.5, as FSDP's above
+    assert fl["time_to_FSDP"]["per_repetition"] == [3.5, 3.5]  # FSDP's 8.125 at the budget: 9 → 8 over 4 s
+    assert fl["speedup_to_FSDP"] == ttq.spread([8.0, 8.0])  # FSDP reaches its own at the budget, 28 s
+    results = {"config": {**asdict(cfg), "batch_size": 4, "learning_rate": 2e-3}, "baselines": ["HSDP", "FSDP"],
+               "budget_s": BUDGET_S, "repeats": 2, "summary": summary, "runs": runs}  # fmt: skip
+    table = ttq.markdown(results)
+    assert table.startswith("2 racks × 2 nodes × 2 ranks, links 1000 Mbit/s between the nodes of a rack and 100 "
+                            "Mbit/s between racks")  # fmt: skip
+    assert ("| time to HSDP's ppl (min) | speed-up vs HSDP | time to FSDP's ppl (min) | speed-up vs FSDP | peak RSS"
+            in table)  # fmt: skip
+    assert "| FL+HSDP | 200.3 | 3 | 0.11 (0.10–0.12) | 4.33 (4.00–4.67) | 0.06 | 8.00 | 301 | 201 |" in table
+    assert ttq.headline(results) == (
+        "On 2 racks × 2 nodes × 2 ranks sharing 2 CPU cores, 1000 Mbit/s between the nodes of a rack and 100 Mbit/s "
+        "between racks, Llama `tiny`, a budget of 28 s of training: to reach perplexity 1608.1 (1408.1–1808.0) "
+        "(HSDP's at the budget), FL+HSDP needed 0.11 (0.10–0.12) min where HSDP needed 0.47 min (median (min–max) "
+        "over 2 repetition(s))."
+    )
+
+
 def test_time_to_quality_runs_share_arguments_but_the_study_settings():
     cfg = ttq.config_from_args(ttq.make_parser().parse_args([]))[0]
     assert (cfg.nodes, cfg.ranks_per_node, cfg.rate_mbit, cfg.model_size, cfg.eval_steps) == (4, 2, 100.0, "tiny", 8)
