@@ -46,6 +46,7 @@ if str(REPO) not in sys.path:  # run as a script: import this checkout's package
 
 from benchmarks.harness import results_folder  # noqa: E402
 from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
+from benchmarks.harness.methods import busy_cpu_s, others_cpu  # noqa: E402
 
 METHODS = ("fedshard", "fedshard_no_reshard", "trainer", "handwritten")
 PHASES = ("data", "forward", "backward", "optimizer", "averaging", "other")
@@ -332,6 +333,10 @@ def report(results: dict[str, list[dict]]) -> str:
             lines.append(f"Hand-written loop vs {method}: {rate - 1:+.1%} ({low - 1:+.1%} to {high - 1:+.1%}) tokens/s "
                          f"(target ≤ +5%: {'met' if rate <= 1.05 else 'missed'}); {method}'s CPU time per step "
                          f"{cpu[0]:.3f}× ({cpu[1]:.3f}–{cpu[2]:.3f}) the loop's")  # fmt: skip
+    busy = ", ".join(f"{m} {statistics.median(r['other_processes_cores'] for r in runs):.2f}"
+                     for m, runs in results.items() if all("other_processes_cores" in r for r in runs))  # fmt: skip
+    if busy:
+        lines.append(f"CPU cores kept busy by other processes during each method's runs (median): {busy}")
     if "fedshard" in results and "fedshard_no_reshard" in results:
         rate, low, high = paired(results, "fedshard_no_reshard", "fedshard", "tokens_per_s")
         lines.append(f"reshard_after_forward false vs true: {rate - 1:+.1%} ({low - 1:+.1%} to {high - 1:+.1%}) "
@@ -382,7 +387,9 @@ def main(argv: list[str] | None = None) -> None:
             for method in opts.methods:
                 record_dir = opts.out / "runs" / f"{method}-{rep}"
                 record_dir.mkdir(parents=True, exist_ok=True)
-                results[method].append(summarise(launch(opts, method, record_dir), tokens_per_rank_step, opts.warmup))
+                start, began = busy_cpu_s(), time.monotonic()
+                summary = summarise(launch(opts, method, record_dir), tokens_per_rank_step, opts.warmup)
+                results[method].append({**summary, **others_cpu(start, time.monotonic() - began)})
                 print(f"rep {rep} {method}: {results[method][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
     table = report(results)
     settings = {k: v for k, v in vars(opts).items() if k not in ("out", "worker_args")}
