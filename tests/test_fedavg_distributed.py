@@ -14,19 +14,15 @@ FL_FSDP = ["--fed_group_size", "2"]
 FL_HSDP = ["--fed_group_size", "4", "--fed_shard_size", "2"]
 
 
-@pytest.fixture(scope="module")
-def fl_fsdp_h2(tmp_path_factory):
-    """FL+FSDP: 2 groups × 2 ranks, H=2, 4 steps, 64 samples."""
-    return train_tiny(4, tmp_path_factory.mktemp("fl_fsdp_h2"), [*FL_FSDP, "--fed_sync_steps", "2", "--max_steps", "4"])
+# fl_fsdp_h2 (2 groups × 2 ranks, H=2, 4 steps) and ddp_4_ranks (3 steps) are tests/conftest.py's: test_plain_loop.py
+# asserts on the same runs.
 
 
 @pytest.fixture(scope="module")
-def exactness_fl_fsdp(tmp_path_factory):
+def exactness_fl_fsdp(tmp_path_factory, ddp_4_ranks):
     """FL+FSDP with H=1 next to DDP (transformers.Trainer on CPU) over the same 4 ranks."""
-    steps = ["--max_steps", "3"]
-    fed = train_tiny(4, tmp_path_factory.mktemp("fed"), [*FL_FSDP, "--fed_sync_steps", "1", *steps])
-    ddp = train_tiny(4, tmp_path_factory.mktemp("ddp"), ["--trainer", "plain", "--use_cpu", "true", *steps])
-    return fed, ddp
+    fed = train_tiny(4, tmp_path_factory.mktemp("fed"), [*FL_FSDP, "--fed_sync_steps", "1", "--max_steps", "3"])
+    return fed, ddp_4_ranks
 
 
 @pytest.fixture(scope="module")
