@@ -2,13 +2,14 @@
 
     sudo python benchmarks/goodput.py --quick      # 4 groups × 1 rank, T = 15 and 30 s, 60 s runs, under 10 minutes
     sudo python benchmarks/goodput.py              # 4 groups × 2 ranks, T = 30, 60 and 120 s, 240 s runs, under 45
+    sudo python benchmarks/goodput.py --quick --groups 2 --run-s 20 --intervals-s 15   # smoke (tests): 1 fault a run
 
 On the emulated cluster (benchmarks/harness/netns.py: a network namespace per group, 100 Mbit/s links between
 them), 4 federation groups train the ``micro`` Llama on Shakespeare (benchmarks/harness/bench_train.py, H = 8,
 ``fed_timeout_s`` 30 s). Every T seconds of training one group's whole launch (torchrun and its workers) is
 SIGKILLed, as a lost node (in the middle of each T: at T/2, 3T/2, …, so a run of n·T seconds holds n faults), and
 started again R seconds later with the same command; the victims are groups 1, 2, 3 in turn (group 0's node hosts
-the lighthouse and the job's rendezvous, which this study keeps alive). Two paths:
+the lighthouse and the job's rendezvous, which this study keeps alive; with ``--groups G``, groups 1 … G-1). Two paths:
 
 - ``torchft``: ``--fed_transport torchft``, one torchrun per group, a lighthouse (``--min_groups 1``,
   ``--join_timeout_s 10``, ``--heartbeat_timeout_s 2``) on node 0; the survivors go on averaging among themselves,
@@ -360,8 +361,8 @@ def markdown(results: dict) -> str:
     lines = [
         f"{cfg['groups']} groups × {cfg['ranks_per_group']} ranks on {where}, Llama `{cfg['model_size']}`, H = "
         f"{cfg['sync_steps']}, fed_timeout_s {cfg['fed_timeout_s']:g} s; each run trains {cfg['run_s']:g} s "
-        f"(from its first step); a group (1, 2, 3 in turn) is SIGKILLed every T s and restarted R = "
-        f"{cfg['restart_s']:g} s later. torchft: a launch per group, a lighthouse (join timeout "
+        f"(from its first step); a group ({', '.join(map(str, cfg['victims']))} in turn) is SIGKILLed every T s "
+        f"and restarted R = {cfg['restart_s']:g} s later. torchft: a launch per group, a lighthouse (join timeout "
         f"{cfg['join_timeout_s']:g} s); mesh: one job, torchrun "
         f"--max-restarts + fed_auto_resume, a checkpoint every K = {cfg['save_steps']} steps. Goodput: group-steps "
         "committed to the global model ÷ those of the same path without failures in the same time (all groups share "
@@ -430,6 +431,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-s", type=float, help="Seconds a killed group stays down (default 10; quick 5).")
     p.add_argument("--repeats", type=int, help="Repetitions (default 1; quick 1).")
     p.add_argument("--ranks-per-group", type=int, help="Ranks per group (default 2; quick 1).")
+    p.add_argument("--groups", type=int, help="Federation groups (default 4); the victims are groups 1 … G-1 in turn.")
     p.add_argument("--localhost", action="store_true", help="Run on localhost even where namespaces are available.")
     p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/goodput_<quick|full>).")
     p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
@@ -441,7 +443,8 @@ def config_from_args(args: argparse.Namespace) -> GoodputConfig:
     quick = {"intervals_s": (15.0, 30.0), "run_s": 60.0, "restart_s": 5.0, "repeats": 1, "ranks_per_group": 1}
     cfg = GoodputConfig(**(quick if args.quick else {}))
     given = {"intervals_s": tuple(args.intervals_s) if args.intervals_s else None, "run_s": args.run_s,
-             "restart_s": args.restart_s, "repeats": args.repeats, "ranks_per_group": args.ranks_per_group}  # fmt: skip
+             "restart_s": args.restart_s, "repeats": args.repeats, "ranks_per_group": args.ranks_per_group,
+             "groups": args.groups, "victims": tuple(range(1, args.groups)) if args.groups else None}  # fmt: skip
     cfg = GoodputConfig(**{**asdict(cfg), **{k: v for k, v in given.items() if v is not None}})
     cfg.validate()
     return cfg

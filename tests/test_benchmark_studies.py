@@ -439,6 +439,12 @@ def test_goodput_study_refuses_intervals_outside_the_run():
         goodput.GoodputConfig(save_steps=12).validate()
 
 
+def test_goodput_study_with_fewer_groups_kills_each_of_the_others_in_turn():
+    cfg = goodput.config_from_args(goodput.make_parser().parse_args(["--quick", "--groups", "2"]))
+    assert (cfg.groups, cfg.victims, cfg.ranks_per_group, cfg.run_s) == (2, (1,), 1, 60.0)
+    assert goodput.config_from_args(goodput.make_parser().parse_args([])).victims == (1, 2, 3)
+
+
 def test_progress_log_drops_a_line_cut_short(tmp_path):
     log = tmp_path / "group0.jsonl"
     progress.append(log, ev("begin", 1.0, 0))
@@ -451,11 +457,11 @@ def test_progress_log_drops_a_line_cut_short(tmp_path):
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="network namespaces need root")
 def test_goodput_study_runs_both_paths_with_a_fault(tmp_path):
-    """The quick mode's machinery on a short run (not its timing): both paths, one fault each (at 7.5 s of 20), the
-    figures, table and plot written, every namespace removed."""
+    """The quick mode's machinery on a short run (not its timing) of 2 groups × 1 rank: both paths, one fault each
+    (group 1 at 7.5 s of 20), the figures, table and plot written, every namespace removed."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "benchmarks/goodput.py", "--quick", "--run-s", "20", "--intervals-s", "15", "--out",
-           str(out), "--work", str(tmp_path / "work")]  # fmt: skip
+    cmd = [sys.executable, "benchmarks/goodput.py", "--quick", "--groups", "2", "--run-s", "20", "--intervals-s", "15",
+           "--out", str(out), "--work", str(tmp_path / "work")]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out_text, _ = proc.communicate(timeout=840)
@@ -468,7 +474,8 @@ def test_goodput_study_runs_both_paths_with_a_fault(tmp_path):
         assert runs[(path, None)]["goodput"] == 1.0 and runs[(path, None)]["group_steps"] > 0
         assert [f["group"] for f in runs[(path, 15.0)]["faults"]] == [1]
         assert runs[(path, 15.0)]["goodput"] is not None
-    assert results["hosts"] == "netns" and "| torchft | 15 s | 1 |" in (out / "results.md").read_text()
+    assert results["hosts"] == "netns" and results["config"]["groups"] == 2
+    assert "| torchft | 15 s | 1 |" in (out / "results.md").read_text()
     assert (out / "goodput.png").read_bytes()[:4] == b"\x89PNG"
 
 

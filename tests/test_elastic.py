@@ -165,6 +165,14 @@ def test_metrics_carry_the_transports_own():
 # ---- Separate launches (torchrun + lighthouse) ----
 
 TINY = ["--num_samples", "128"]
+H4_10_STEPS = [*TINY, "--max_steps", "10", "--fed_sync_steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def one_job_h4(tmp_path_factory) -> list[dict]:
+    """One job of 2 groups × 2 ranks (the mesh), H = 4, 10 steps: the reference of the torchft runs of those
+    settings, uninterrupted (`test_torchft_equals_the_one_job_mesh_to_the_bit`, the restart test)."""
+    return train_tiny(4, tmp_path_factory.mktemp("mesh"), [*H4_10_STEPS, "--fed_group_size", "2"])
 
 
 @pytest.mark.slow
@@ -177,15 +185,18 @@ TINY = ["--num_samples", "128"]
         pytest.param(["--fed_shard_size", "1", "--fed_sync_dtype", "bfloat16"], id="fl-hsdp-bf16"),
     ],
 )
-def test_torchft_equals_the_one_job_mesh_to_the_bit(tmp_path, extra):
+def test_torchft_equals_the_one_job_mesh_to_the_bit(tmp_path, extra, request):
     """2 groups × 2 ranks, H = 4, 10 steps (the last averaging at the end): the same samples, shards and
     evaluation as one job of 4 ranks with fed_group_size 2 (group G reads slice G of 2); each launch logs its
     own group's loss, whose mean over the groups is the one job's. FL+HSDP (2 replicas × 1 shard per group)
     splits the exchange over the group's replicas."""
-    common = [*TINY, "--max_steps", "10", "--fed_sync_steps", "4", *extra]
+    common = [*H4_10_STEPS, *extra]
     with lighthouse(min_groups=2) as address:
         groups = train_groups(2, 2, tmp_path / "ft", common, address)
-    mesh = train_tiny(4, tmp_path / "mesh", [*common, "--fed_group_size", "2"])
+    if extra:
+        mesh = train_tiny(4, tmp_path / "mesh", [*common, "--fed_group_size", "2"])
+    else:  # fedavg fp32: the module's one job, which the restart test compares with too
+        mesh = request.getfixturevalue("one_job_h4")
     for g in range(2):
         for r in range(2):
             ours, theirs = groups[g][r], mesh[2 * g + r]
@@ -313,17 +324,16 @@ def test_a_lost_lighthouse_ends_every_group_at_its_next_averaging_with_nothing_h
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_restart_of_every_group_resumes_from_the_newest_step_they_all_have(tmp_path):
+def test_a_restart_of_every_group_resumes_from_the_newest_step_they_all_have(tmp_path, one_job_h4):
     """2 groups × 2 ranks checkpoint every 4 steps to step 8; group 1's checkpoint-8 is lost. Restarted with
-    fed_auto_resume, both resume from checkpoint-4 (the newest both have), no group heals, and step 12 equals one
-    uninterrupted job to the bit."""
-    common = [*TINY, "--fed_sync_steps", "4", "--save_strategy", "steps", "--save_steps", "4"]
+    fed_auto_resume to step 10, both resume from checkpoint-4 (the newest both have), no group heals, and step 10
+    (two averagings after the resume) equals one uninterrupted job to the bit (the module's, which saves nothing)."""
+    saves = ["--save_strategy", "steps", "--save_steps", "4"]
     with lighthouse(min_groups=2) as address:
-        train_groups(2, 2, tmp_path / "ft", [*common, "--max_steps", "8"], address)
+        train_groups(2, 2, tmp_path / "ft", [*TINY, "--fed_sync_steps", "4", *saves, "--max_steps", "8"], address)
         shutil.rmtree(tmp_path / "ft" / "fed_group1" / "checkpoint-8")
-        again = [*common, "--max_steps", "12", "--fed_auto_resume", "true"]
-        resumed = train_groups(2, 2, tmp_path / "ft", again, address)
-    mesh = train_tiny(4, tmp_path / "mesh", [*common, "--max_steps", "12", "--fed_group_size", "2"])
+        resumed = train_groups(2, 2, tmp_path / "ft", [*H4_10_STEPS, *saves, "--fed_auto_resume", "true"], address)
+    mesh = one_job_h4
     for g in range(2):
         for r in range(2):
             assert resumed[g][r]["started_at_step"] == 4

@@ -14,27 +14,25 @@ FL_FSDP = ["--fed_group_size", "2"]
 FL_HSDP = ["--fed_group_size", "4", "--fed_shard_size", "2"]
 
 
-@pytest.fixture(scope="module")
-def fl_fsdp_h2(tmp_path_factory):
-    """FL+FSDP: 2 groups × 2 ranks, H=2, 4 steps, 64 samples."""
-    return train_tiny(4, tmp_path_factory.mktemp("fl_fsdp_h2"), [*FL_FSDP, "--fed_sync_steps", "2", "--max_steps", "4"])
+# fl_fsdp_h2 (2 groups × 2 ranks, H=2, 4 steps) and ddp_4_ranks (3 steps) are tests/conftest.py's: test_plain_loop.py
+# asserts on the same runs.
 
 
 @pytest.fixture(scope="module")
-def exactness_fl_fsdp(tmp_path_factory):
+def exactness_fl_fsdp(tmp_path_factory, ddp_4_ranks):
     """FL+FSDP with H=1 next to DDP (transformers.Trainer on CPU) over the same 4 ranks."""
-    steps = ["--max_steps", "3"]
-    fed = train_tiny(4, tmp_path_factory.mktemp("fed"), [*FL_FSDP, "--fed_sync_steps", "1", *steps])
-    ddp = train_tiny(4, tmp_path_factory.mktemp("ddp"), ["--trainer", "plain", "--use_cpu", "true", *steps])
-    return fed, ddp
+    fed = train_tiny(4, tmp_path_factory.mktemp("fed"), [*FL_FSDP, "--fed_sync_steps", "1", "--max_steps", "3"])
+    return fed, ddp_4_ranks
 
 
 @pytest.fixture(scope="module")
 def exactness_fl_hsdp(tmp_path_factory):
-    """FL+HSDP (2 groups × 2 replicas × 2 shards) with H=1 next to DDP over the same 8 ranks."""
+    """FL+HSDP (2 groups × 2 replicas × 2 shards, 2 samples a rank) with H=1 next to DDP on the same global batch
+    of 16 samples, over 4 ranks of 4 samples (every sample holds as many tokens: the same mean loss)."""
     steps = ["--max_steps", "2"]
     fed = train_tiny(8, tmp_path_factory.mktemp("fed8"), [*FL_HSDP, "--fed_sync_steps", "1", *steps], 400)
-    ddp = train_tiny(8, tmp_path_factory.mktemp("ddp8"), ["--trainer", "plain", "--use_cpu", "true", *steps], 400)
+    ddp_args = ["--trainer", "plain", "--use_cpu", "true", "--per_device_train_batch_size", "4", *steps]
+    ddp = train_tiny(4, tmp_path_factory.mktemp("ddp4x4"), ddp_args)
     return fed, ddp
 
 
@@ -127,9 +125,10 @@ def test_one_group_is_trainer(tmp_path):
 
 
 def test_error_on_every_rank_without_hang(tmp_path):
-    """A model with nothing to train fails on all ranks with one clear line, and the job ends."""
-    result = torchrun(4, SCRIPTS / "train_tiny.py",
-                      ["--output_dir", tmp_path, "--dump_dir", tmp_path, "--fed_group_size", "2", "--freeze_all",
+    """A model with nothing to train fails on all ranks with one clear line, and the job ends. 2 groups × 1 rank:
+    the check runs as the trainer is built, before any process group or sharding, alike on every rank."""
+    result = torchrun(2, SCRIPTS / "train_tiny.py",
+                      ["--output_dir", tmp_path, "--dump_dir", tmp_path, "--fed_group_size", "1", "--freeze_all",
                        "true", "--report_to", "none"], timeout_s=120)  # fmt: skip
     assert result.returncode != 0
     assert "has no parameter with requires_grad=True" in result.stdout

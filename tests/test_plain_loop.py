@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from .asserts import labelled
-from .launch import REPO, SCRIPTS, torchrun, train_tiny
+from .launch import REPO, SCRIPTS, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -28,24 +28,23 @@ def assert_same_params(got: dict, want: dict, atol: float) -> None:
         torch.testing.assert_close(value, want[name], atol=atol, rtol=0, msg=labelled(name))
 
 
-def test_plain_loop_with_h1_equals_data_parallel(tmp_path):
+def test_plain_loop_with_h1_equals_data_parallel(tmp_path, ddp_4_ranks):
+    """H = 1, 3 steps, against tests/conftest.py's DDP run (Trainer on CPU, 4 ranks, 3 steps)."""
     plain = plain_loop(tmp_path / "plain", ["--group_size", "2", "--sync_steps", "1", "--max_steps", "3"])
-    ddp = train_tiny(4, tmp_path / "ddp", ["--trainer", "plain", "--use_cpu", "true", "--max_steps", "3"])
     for rank in range(4):
-        assert plain[rank]["seen"] == ddp[rank]["seen"]
-        assert_same_params(plain[rank]["full_params"], ddp[0]["full_params"], atol=1e-5)
+        assert plain[rank]["seen"] == ddp_4_ranks[rank]["seen"]
+        assert_same_params(plain[rank]["full_params"], ddp_4_ranks[0]["full_params"], atol=1e-5)
 
 
-def test_plain_loop_equals_fedshardtrainer_on_the_same_data(tmp_path):
-    """Two groups × 2 ranks, H = 2, 8 steps: the loop and the Trainer read the same samples on every rank and end
-    on the same global model (within 1e-6: the Trainer divides the summed token loss, the loop takes the mean)."""
-    steps = ["--max_steps", "8"]
-    plain = plain_loop(tmp_path / "plain", ["--group_size", "2", "--sync_steps", "2", *steps])
-    fed = train_tiny(4, tmp_path / "fed", ["--fed_group_size", "2", "--fed_sync_steps", "2", *steps])
+def test_plain_loop_equals_fedshardtrainer_on_the_same_data(tmp_path, fl_fsdp_h2):
+    """Two groups × 2 ranks, H = 2, 4 steps (tests/conftest.py's FedShardTrainer run): the loop and the Trainer
+    read the same samples on every rank and end on the same global model, after two averagings of trained models
+    (within 1e-6: the Trainer divides the summed token loss, the loop takes the mean)."""
+    plain = plain_loop(tmp_path / "plain", ["--group_size", "2", "--sync_steps", "2", "--max_steps", "4"])
     for rank in range(4):
-        assert plain[rank]["seen"] == fed[rank]["seen"]
-        assert_same_params(plain[rank]["full_params"], fed[rank]["full_params"], atol=1e-6)
-        assert plain[rank]["counters"]["syncs"] == fed[rank]["fed_counters"]["syncs"] == 1 + 4
+        assert plain[rank]["seen"] == fl_fsdp_h2[rank]["seen"]
+        assert_same_params(plain[rank]["full_params"], fl_fsdp_h2[rank]["full_params"], atol=1e-6)
+        assert plain[rank]["counters"]["syncs"] == fl_fsdp_h2[rank]["fed_counters"]["syncs"] == 1 + 2
 
 
 def test_the_readme_plain_loop_runs_as_written(tmp_path):
