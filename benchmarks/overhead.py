@@ -18,9 +18,10 @@ Each optimizer step is cut into phases from timestamps taken on rank 0: data (fe
 backward, optimizer (clipping, step, zero_grad, LR scheduler), averaging, and other (callbacks, logging and
 whatever else the loop does between steps). Beside the wall clock, rank 0's CPU time per step (``process_time``):
 4 ranks share the cores, and CPU time counts the work a rank does, not the time it waits for the others, so it
-separates the loop's own cost from the machine's load. The methods run interleaved, ``--reps`` times each, and
-every figure is the median over repetitions with its spread (min–max); a ratio between two methods is taken in each
-repetition (they ran back to back) before its median. Run it alone on the machine (it takes
+separates the loop's own cost from the machine's load; and the all-gathers and reduce-scatters FSDP2 issues per step
+(counted), the points at which a rank waits for the others of its group. The methods run interleaved, ``--reps``
+times each, and every figure is the median over repetitions with its spread (min–max); a ratio between two methods
+is taken in each repetition (they ran back to back) before its median. Run it alone on the machine (it takes
 /tmp/hf_fedshard_cpu.lock while it runs):
 
     python benchmarks/overhead.py                 # tiny preset, 48 steps, 3 repetitions (about 8 minutes)
@@ -54,6 +55,25 @@ VOCAB = 8192
 LR, WEIGHT_DECAY, MAX_GRAD_NORM, SEED = 3e-4, 0.0, 1.0, 0
 
 
+class CollectiveCounter:
+    """Counts the all-gathers and reduce-scatters FSDP2 issues (it calls them through ``torch.distributed``): the
+    synchronisations of a step, a figure the machine's load does not change."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.calls = 0
+        for name in ("all_gather_single", "reduce_scatter_single"):
+            setattr(dist, name, self._counted(getattr(dist, name)))
+
+    def _counted(self, collective):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return collective(*args, **kwargs)
+
+        return counted
+
+
 class Timeline:
     """Timestamps of named events on this rank; each optimizer step's phases are read off them."""
 
@@ -62,6 +82,7 @@ class Timeline:
         self._current: dict[str, float] = {}
         self._last_end: float | None = None
         self._last_cpu = time.process_time()
+        self._counter, self._last_calls = CollectiveCounter(), 0
 
     def mark(self, name: str) -> None:
         self._current[name] = time.perf_counter()
@@ -86,6 +107,7 @@ class Timeline:
         record["other"] = record["total"] - sum(record[p] for p in PHASES if p != "other")
         cpu = time.process_time()
         record["cpu"], self._last_cpu = cpu - self._last_cpu, cpu
+        record["collectives"], self._last_calls = self._counter.calls - self._last_calls, self._counter.calls
         self.steps.append(record)
         self._current, self._last_end = {}, now
 
@@ -292,6 +314,7 @@ def summarise(jobs: list[tuple[int, list[dict]]], tokens_per_rank_step: int, war
                for nproc, steps in jobs)  # fmt: skip
     kept = [s for _, steps in jobs for s in steps[warmup:]]
     phases = {p: statistics.mean(s[p] for s in kept) * 1000 for p in (*PHASES, "total", "cpu")}
+    phases["collectives"] = statistics.mean(s["collectives"] for s in kept)  # a count, not ms
     return {"tokens_per_s": rate, "ms_per_step": phases}
 
 
@@ -309,10 +332,10 @@ def value(run: dict, key: str) -> float:
 
 
 def report(results: dict[str, list[dict]]) -> str:
-    columns = (*PHASES, "total", "cpu")
+    columns = (*PHASES, "total", "cpu", "collectives")
     med = {m: median_spread([r["tokens_per_s"] for r in results[m]]) for m in results}
     lines = ["| method | tokens/s (median, min–max) | vs trainer | "
-             + " | ".join(f"{p} ms" for p in (*PHASES, "total")) + " | CPU ms (rank 0) |",
+             + " | ".join(f"{p} ms" for p in (*PHASES, "total")) + " | CPU ms (rank 0) | FSDP collectives |",
              "|---|---:|---:|" + "---:|" * len(columns)]  # fmt: skip
     for method, runs in results.items():
         phase_ms = [statistics.median(r["ms_per_step"][p] for r in runs) for p in columns]
