@@ -5,14 +5,16 @@ AdamW hyperparameters, gradient clipping, constant learning rate and number of o
 
 - ``fedshard``: `FedShardTrainer`, FL+FSDP with 2 groups × 2 ranks, FedAvg every H steps;
 - ``fedshard_no_reshard``: the same with ``--fsdp_config '{"reshard_after_forward": false}'`` (Accelerate's
-  switch): each group keeps its layers gathered from forward to backward, one all-gather per layer less per step
-  for a whole model's parameters in memory;
+  switch): each group keeps its layers gathered from forward to backward, one all-gather per layer and for the
+  embedding less per step, for a whole model's parameters in memory;
 - ``trainer``: plain `transformers.Trainer` with FSDP2 over 2 ranks, run as two jobs of 2 ranks side by side
   (one group each, never averaging): the same per-rank compute and intra-group traffic as ``fedshard``. On CPU,
   Accelerate turns FSDP into DDP (see ../shared/FACTS.md), so its state is switched back to FSDP with the same
   6 lines hf_fedshard uses (`hf_fedshard.integrations.fsdp.ensure_fsdp`); nothing else of hf_fedshard runs;
 - ``handwritten``: a minimal FSDP2 + FedAvg loop (`fully_shard` per decoder layer and the root on the group's
-  mesh, `torch.optim.AdamW`, an all-reduce of the local shards along ``fed`` every H steps).
+  mesh, `torch.optim.AdamW`, an all-reduce of the local shards along ``fed`` every H steps). Accelerate also gives
+  the input embedding and the output head (with the final norm, kept gathered) units of their own, so the
+  Trainer-based methods issue three collectives per step more: the count column shows it.
 
 Each optimizer step is cut into phases from timestamps taken on rank 0: data (fetching the batch), forward,
 backward, optimizer (clipping, step, zero_grad, LR scheduler), averaging, and other (callbacks, logging and
@@ -57,7 +59,8 @@ LR, WEIGHT_DECAY, MAX_GRAD_NORM, SEED = 3e-4, 0.0, 1.0, 0
 
 class CollectiveCounter:
     """Counts the all-gathers and reduce-scatters FSDP2 issues (it calls them through ``torch.distributed``): the
-    synchronisations of a step, a figure the machine's load does not change."""
+    synchronisations of a step, a figure the machine's load does not change. On CPU/gloo nothing else calls these
+    two (on NCCL Accelerate's gather of the logged loss would be counted too)."""
 
     def __init__(self) -> None:
         import torch.distributed as dist

@@ -220,9 +220,12 @@ def reach_cell(figures: dict, key: str, n: int) -> str:
     return minutes if len(reached) == n else f"{minutes} in {len(reached)} of {n}; not reached in the others"
 
 
-def baseline_of(results: dict) -> str | None:
-    """The study's first baseline with a target (FSDP; HSDP on three tiers), ``None`` without one."""
-    return next((b for b in results.get("baselines", ["FSDP"]) if b in results["summary"]["targets"]), None)
+def baseline_of(results: dict, paired: bool = False) -> str | None:
+    """The study's first baseline with a target (FSDP; HSDP on three tiers), ``None`` without one; ``paired``: the
+    first whose federated counterpart ran too (the headline's)."""
+    summary = results["summary"]
+    return next((b for b in results.get("baselines", ["FSDP"]) if b in summary["targets"]
+                 and (not paired or FEDERATED[b] in summary["methods"])), None)  # fmt: skip
 
 
 def cluster_description(cfg: dict) -> str:
@@ -237,8 +240,8 @@ def cluster_description(cfg: dict) -> str:
 def headline(results: dict) -> str | None:
     """The README sentence ("to reach perplexity P, FL+FSDP needed X min where FSDP needed Y min"), from the run:
     the first baseline against its federated counterpart (FL+HSDP against HSDP on three tiers)."""
-    summary, budget_s, baseline = results["summary"], results["budget_s"], baseline_of(results)
-    if baseline is None or FEDERATED[baseline] not in summary["methods"]:
+    summary, budget_s, baseline = results["summary"], results["budget_s"], baseline_of(results, paired=True)
+    if baseline is None:
         return None
     federated, p = FEDERATED[baseline], summary["targets"][baseline]
     fl, base = summary["methods"][federated], summary["methods"][baseline]
@@ -332,8 +335,8 @@ def plot(results: dict, out: Path) -> Path:
         ax.axhline(summary["targets"][baseline]["median"], color="grey", linewidth=0.8, linestyle=":")
     ax.axvline(budget_s / 60, color="grey", linewidth=0.8, linestyle="--")
     ax.set(xlabel="training clock (min, evaluations excluded)", ylabel="eval perplexity (held-out plays)", yscale="log")
-    ax.set_title(f"Every repetition (solid: first); dotted: {baseline}'s perplexity at the {budget_s:g} s budget",
-                 fontsize=9)  # fmt: skip
+    target = f"; dotted: {baseline}'s perplexity at the {budget_s:g} s budget" if baseline else ""
+    ax.set_title(f"Every repetition (solid: first){target}", fontsize=9)
     ax.legend(fontsize=7)
     return save_figure(fig, out / "perplexity_vs_time.png")
 
@@ -347,7 +350,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", choices=("two-tier", "three-tier"), default="two-tier",
                    help="three-tier: " + ", ".join(f"{k} {v:g}" for k, v in THREE_TIER.items())
                    + f"; {', '.join(THREE_TIER_LABELS)}; HSDP is the baseline.")  # fmt: skip
-    p.add_argument("--nodes", type=int, help="Emulated nodes (default 4; 2 with --quick).")
+    p.add_argument("--nodes", type=int, help="Emulated nodes (default 4; 2 with --quick on two tiers).")
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--rate-mbit", type=float, help="Inter-node link rate, Mbit/s each way (100; three-tier: in a "
                    "rack, 1000).")  # fmt: skip

@@ -64,3 +64,12 @@ def test_by_epoch_the_norm_is_measured_at_every_step(tmp_path, monkeypatch, trai
                                   logging_strategy="epoch")  # fmt: skip
     assert count == STEPS
     assert norms == {STEPS: trainer_norms[STEPS]}
+
+
+def test_a_ratio_of_the_steps_with_accumulation_logs_as_trainer(tmp_path, monkeypatch):
+    every = {"gradient_accumulation_steps": 2}
+    reference = measured_norms(Trainer, TrainingArguments, tmp_path, monkeypatch, logging_steps=1, **every)[1]
+    count, norms = measured_norms(FedShardTrainer, FedShardTrainingArguments, tmp_path, monkeypatch,
+                                  logging_steps=0.4, **every)  # fmt: skip
+    assert count == 2  # Trainer's schedule: every ceil(0.4 × 5) = 2 optimizer steps
+    assert norms == {2: reference[2], 4: reference[4]}
