@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 from transformers.trainer import TRAINER_STATE_NAME
 
 from hf_fedshard.checkpointing.checkpoint import model_fingerprint
+from hf_fedshard.engine.heal import PeerParts, cut, mend
+from hf_fedshard.engine.payload import model_state_addresses, model_state_shapes
 from hf_fedshard.transports.elastic import fingerprint
 
 if TYPE_CHECKING:
@@ -53,6 +55,23 @@ def peer_state(trainer: FedShardMixin) -> dict:
         "trainer": dataclasses.asdict(trainer.state),
         "scheduler": trainer.lr_scheduler.state_dict(),
     }
+
+
+def peer_parts(trainer: FedShardMixin) -> PeerParts:
+    """`peer_state` in parts, for a group of another size (`hf_fedshard.engine.heal`): the tensors by address."""
+    state = peer_state(trainer)
+    if state.get(NOT_READY):
+        return PeerParts(state, [], [])
+    model = trainer.fed_callback.averager.model
+    parts = cut(state["averager"], model_state_shapes(model), model_state_addresses(model))
+    return dataclasses.replace(parts, state={**state, "averager": parts.state})
+
+
+def peer_state_of(parts: PeerParts) -> dict:
+    """`peer_parts`' output, received on this rank's own shards, as `peer_state` (the same heal from then on)."""
+    if not parts.specs:
+        return parts.state
+    return {**parts.state, "averager": mend(dataclasses.replace(parts, state=parts.state["averager"]))}
 
 
 def resume_folder(state: dict) -> str:

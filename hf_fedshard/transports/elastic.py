@@ -40,6 +40,7 @@ from hf_fedshard.engine.communicator import (
     ProcessGroupCommunicator,
     Round,
 )
+from hf_fedshard.engine.heal import PeerParts
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.transports.mesh import FederationLayout
 from hf_fedshard.transports.quorum_world import UnequalQuorum, quorum_process_group
@@ -149,6 +150,9 @@ class ElasticFederation:
         receive: takes a peer's state (`provide`'s) when this group heals.
         layout: the nominal federation where its groups are of unequal size (``fed_group_size 4,2,2``): they
             average over every rank of the quorum (`UnequalQuorum`); ``None``: equal groups.
+        provide_parts: with groups of unequal size, `provide`'s state in parts (`hf_fedshard.engine.heal`), whose
+            tensors a group of another size takes shard by shard.
+        receive_parts: takes those parts on this group's own shards when it heals (groups of unequal size).
     """
 
     def __init__(
@@ -163,10 +167,13 @@ class ElasticFederation:
         provide: Callable[[], dict],
         receive: Callable[[dict], None],
         layout: FederationLayout | None = None,
+        provide_parts: Callable[[], PeerParts] | None = None,
+        receive_parts: Callable[[PeerParts], None] | None = None,
     ) -> None:
         _import_torchft()  # refuse a missing torchft at construction, before training
         self.group_id, self.num_groups, self.group = group_id, num_groups, group
         self.fingerprint, self.provide, self.receive = fingerprint, provide, receive
+        self.provide_parts, self.receive_parts = provide_parts, receive_parts
         self.timeout_s, self.lighthouse = timeout_s, lighthouse
         self.heals = 0
         self.groups_averaged = 0  # groups in the last committed averaging
@@ -187,6 +194,7 @@ class ElasticFederation:
         self.pg = base(timeout=timeout) if self.unequal is None else quorum_process_group(base, timeout)
         if self.unequal is not None:
             self.unequal.pg = base(timeout=timeout)
+            self.unequal.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else self.unequal.device
         self._store = _group_store(group)
         try:
             self.manager = torchft.Manager(
@@ -251,7 +259,7 @@ class ElasticFederation:
         self._healed = False
         begin = time.perf_counter()
         try:
-            self.manager.start_quorum(allow_heal=self.unequal is None)  # unequal: torchft's heal pairs no shards
+            self.manager.start_quorum(allow_heal=self.unequal is None)  # unequal: UnequalQuorum heals across sizes
         except ConfigError:
             raise
         except Exception as err:  # the lighthouse is unreachable, or no quorum formed within the timeout
@@ -300,6 +308,13 @@ class ElasticFederation:
             )
         self._healed = True
         self.receive(state["state"])
+
+    def take_parts(self, parts: PeerParts, averagings: int) -> None:
+        """A heal across sizes arrived on every rank of this group (`UnequalQuorum`): take it, and count the
+        averagings the state holds as committed here too (torchft's own heal sets them; it is off here)."""
+        self._healed = True
+        self.receive_parts(parts)
+        self.manager.load_state_dict({"step": averagings, "batches_committed": self.manager.batches_committed()})
 
     def _check_members(self) -> None:
         """One all-reduce when the quorum changes: no two groups share an id, all run the same settings, and how
