@@ -4,12 +4,17 @@ into a `peer_state` of that group's own shards."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
+from hf_fedshard import FederatedAverager
 from hf_fedshard.engine.heal import PeerParts, cut, mend, receiving
+from hf_fedshard.engine.payload import model_state_addresses, model_state_shapes, model_state_tensors
 from hf_fedshard.engine.pieces import Address, GroupShape, PieceExchange
 
-from .fake_communicator import run_ranks
+from .fake_communicator import BARRIER_TIMEOUT_S, run_federation, run_ranks
+from .test_engine import build, train_step
 
 SHAPES = [(5, 3), (4,), (6, 2)]  # two parameters (odd rows: shards of 2 differ in size), then a buffer
 ADDRESSES = [Address(15, 5, True), Address(4, 4, True), Address(12, 6, False)]
@@ -57,3 +62,39 @@ def test_a_peer_state_cut_copied_onto_shards_of_another_size_and_mended_is_the_l
         momentum = peer["averager"]["outer"]["fragments"][0]["optimizer"]["state"][1]["momentum_buffer"]
         assert outer["momentum"][0] is None and torch.equal(outer["momentum"][1], torch.chunk(momentum, 2)[shard])
         assert (healed["averager"]["step"], healed["averager"]["counters"]) == (8, {"syncs": 2})
+
+
+def test_an_averager_takes_a_mended_peer_state_to_the_bit_momentum_included():
+    """Two groups average with Nesterov at step 4; then group 1 (its model and outer state spoiled, as a group that
+    lost the round) loads group 0's `peer_state`, cut and mended (one rank per group: the parts are whole): its
+    model, anchors and outer momentum are group 0's, bit for bit (the outer state arrives held by parameter)."""
+    published = threading.Event()
+    shared: dict = {}
+
+    def rank_fn(comm):
+        group = comm.group
+        model, optimizer = build(group)
+        averager = FederatedAverager(model, optimizer, communicator=comm, sync_steps=4, outer_optimizer="nesterov")
+        for step in range(1, 5):
+            train_step(model, optimizer, group, step)
+            averager.step()
+        if group == 0:
+            shared["parts"] = cut(averager.peer_state(), model_state_shapes(model), model_state_addresses(model))
+            published.set()
+            return averager
+        assert published.wait(BARRIER_TIMEOUT_S)
+        with torch.no_grad():
+            for tensor in [*model_state_tensors(model), *averager.fragments[0].outer.anchor]:
+                tensor.add_(1.0)
+        sent = shared["parts"]
+        averager.load_peer_state(mend(PeerParts(sent.state, sent.specs, [t.clone() for t in sent.tensors])))
+        return averager
+
+    live, healed = run_federation(2, rank_fn, pieces=True)
+    for ours, theirs in zip(model_state_tensors(healed.model), model_state_tensors(live.model), strict=True):
+        assert torch.equal(ours, theirs)
+    ours, theirs = healed.fragments[0].outer, live.fragments[0].outer
+    assert all(torch.equal(a, b) for a, b in zip(ours.anchor, theirs.anchor, strict=True))
+    momenta = [[s["momentum_buffer"] for s in o.optimizer.state.values()] for o in (ours, theirs)]
+    assert len(momenta[0]) == len(ours.anchor) and all(map(torch.equal, *momenta))
+    assert healed.step_count == live.step_count == 4 and healed.counters.syncs == live.counters.syncs

@@ -31,6 +31,9 @@ the owner's one encoding: groups stay bit-identical.
 
 The slow tier carries each piece once per group and back, as a ring all-reduce does: 2·(G−1) copies of the model
 per averaging in all, whatever the sizes.
+
+A heal (`PieceExchange.copy`) uses the same pieces without a mean: the source group's designated holder sends each
+piece's raw bytes to each healing group's designated holder, who hands them to its group's other holders.
 """
 
 from __future__ import annotations

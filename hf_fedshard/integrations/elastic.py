@@ -5,7 +5,8 @@ A group that joins a running federation (a restart, or a new group) heals before
 first quorum hands it a live peer's state right after an averaging, and the Trainer resumes from it as from a
 checkpoint (global step, learning-rate schedule, data position, global model, anchors and outer state), except that
 its inner optimizer starts fresh: only the trainer state, ``trainer_state.json``, touches the disk, in a temporary
-folder of its own.
+folder of its own. Between groups of unequal size the same state travels in parts (`peer_parts`, `peer_state_of`),
+its tensors copied onto the joining group's own shards.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ at this rank's position in those groups: the engine's ``peers``. An averaging is
   the training loop adds, see `ElasticFederation.provide`).
 
 The control all-reduce (every rank of the federation) is an all-reduce inside the group, then across the quorum.
-Groups of unequal size (each launch given the list, ``--fed_group_size 4,2,2``) average over one process group of
-every rank of the quorum instead: `hf_fedshard.transports.quorum_world`.
+Groups of unequal size (each launch given the list, ``--fed_group_size 4,2,2``) average, and heal a group behind,
+over one process group of every rank of the quorum instead: `hf_fedshard.transports.quorum_world`.
 """
 
 from __future__ import annotations

@@ -10,13 +10,15 @@ of every group in the quorum. After each new quorum:
    each first rank hands it to its group's other ranks (the fast tier);
 2. every rank joins one gloo (or NCCL) process group over the quorum's ranks, numbered group by group in quorum
    order (world size = Σ sizes), through the store of the quorum's rendezvous under a key of its own;
-3. that group carries the pieces of each averaging and its control all-reduce; a failed collective is reported to
+3. a group behind the others (a restart, a late start, a round it lost) heals over that group from the first group
+   level with them (`UnequalQuorum._heal`, `hf_fedshard.engine.heal`): what every layout shares from its first
+   rank, the tensors copied byte for byte from its shards onto the healing group's own;
+4. that group carries the pieces of each averaging and its control all-reduce; a failed collective is reported to
    the `Manager` (the round does not commit) and the rest of the round is skipped, as on the equal groups' path.
 
 torchft's Manager keeps its own process group: it serves the first ranks' table, and its ranks with no peer in a
 smaller group rendezvous with the groups that have one (`quorum_process_group`). Its heal (a live peer's state,
-rank r from rank r) cannot pair shards of groups of different sizes, so it is off here: a group behind the
-others is refused in one line (`UnequalQuorum.configure`).
+rank r from rank r) cannot pair shards of groups of different sizes, so it is off here, replaced by step 3.
 """
 
 from __future__ import annotations
