@@ -109,24 +109,31 @@ def test_unequal_torchft_launches_equal_the_one_job_mesh_to_the_bit(tmp_path, ex
             assert ours["log_history"][-3]["fed_groups_in_quorum"] == 2
 
 
-def whole_params(dumps: list[dict]) -> dict[str, torch.Tensor]:
-    """A group's global model from its ranks' shards (FL+FSDP: FSDP2's Shard(0), rank order)."""
-    return {name: torch.cat([d["local_params"][name] for d in dumps]) for name in dumps[0]["local_params"]}
+def replica_models(dumps: list[dict], shards: int) -> list[dict[str, torch.Tensor]]:
+    """Each replica's whole model from a group's ranks' shards (FSDP2's Shard(0); ranks replica-major)."""
+    replicas = [dumps[q : q + shards] for q in range(0, len(dumps), shards)]
+    return [{name: torch.cat([d["local_params"][name] for d in ranks]) for name in ranks[0]["local_params"]}
+            for ranks in replicas]  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("killed", [1, 0], ids=["group-of-1-heals-from-2", "group-of-2-heals-from-1"])
-def test_a_killed_group_heals_from_a_group_of_another_size_while_the_other_goes_on(tmp_path, killed):
-    """Launches of 2 and 1 ranks, H = 4, 24 steps. Group ``killed``'s rank 0 is SIGKILLed as step 6 begins; its
-    torchrun restarts it. The other never restarts: it redoes the averaging of step 8 alone and goes on. The
-    restarted group heals from it right after an averaging (its shards are of another size: the tensors are copied
-    piece by piece), resumes there, reads the samples its ranks read in one job of --fed_group_size 2,1 from that
-    step on, and both end on one global model, to the bit (Nesterov: the anchors and the outer momentum it took
-    decide the last averaging's values)."""
+@pytest.mark.parametrize(
+    ("killed", "hsdp"),
+    [pytest.param(1, False, id="group-of-1-heals-from-2-shards"), pytest.param(0, True, id="hsdp-group-of-2-heals")],
+)
+def test_a_killed_group_heals_from_a_group_of_another_size_while_the_other_goes_on(tmp_path, killed, hsdp):
+    """Launches of 2 and 1 ranks, H = 4, 24 steps, FL+FSDP or FL+HSDP (``hsdp``: the group of 2 holds two replicas of
+    one shard). Group ``killed``'s rank 0 is SIGKILLed as step 6 begins; its torchrun restarts it. The other never
+    restarts: it redoes the averaging of step 8 alone and goes on. The restarted group heals from it right after an
+    averaging (its shards are of another size: the tensors are copied piece by piece), resumes there, reads the
+    samples its ranks read in one job of --fed_group_size 2,1 from that step on, and both end on one global model,
+    to the bit (Nesterov: the anchors and the outer momentum it took decide the last averaging's values)."""
     survivor = 1 - killed
     common = [*TINY, "--num_samples", "512", "--max_steps", "24", "--fed_sync_steps", "4", "--step_sleep_s", "0.2",
-              "--fed_outer_optimizer", "nesterov", "--record_syncs", "true", "--fed_timeout_s", "30"]  # fmt: skip
+              "--fed_outer_optimizer", "nesterov", "--record_syncs", "true", "--fed_timeout_s", "30",
+              *(["--fed_shard_size", "1"] if hsdp else [])]  # fmt: skip
+    shards = [1 if hsdp else size for size in SIZES]
     marker = tmp_path / "restarted"
     kill = ["--kill_at_step", "6", "--fault_rank", "0", "--fault_group", str(killed), "--restart_marker", marker]
     hold = ["--hold_at_step", "10", "--hold_until", marker]  # the survivor keeps steps for it, however slow the restart
@@ -146,10 +153,12 @@ def test_a_killed_group_heals_from_a_group_of_another_size_while_the_other_goes_
     assert quorum[4] == 2 and quorum[9] == 1 and quorum[24] == 2, quorum
     assert log[-3]["fed_heals"] == dumps[killed][0]["log_history"][-3]["fed_heals"] == 1
     healed, averaged = dumps[killed][0]["sync_start"], dumps[survivor][0]["sync_params"][healed_at][1]
-    ours, theirs = whole_params(dumps[killed]), whole_params(dumps[survivor])
-    for name, value in ours.items():  # the model it healed to; the anchors and outer momentum decide the end
+    final = replica_models(dumps[survivor], shards[survivor])[0]
+    for name, value in final.items():  # the model it healed to; the anchors and outer momentum decide the end
         torch.testing.assert_close(healed[name], averaged[name], rtol=0, atol=0, msg=labelled(f"healed {name}"))
-        torch.testing.assert_close(value, theirs[name], rtol=0, atol=0, msg=labelled(f"final {name}"))
+        for g in range(len(SIZES)):
+            for model in replica_models(dumps[g], shards[g]):
+                torch.testing.assert_close(model[name], value, rtol=0, atol=0, msg=labelled(f"group {g} {name}"))
     one_job = train_tiny(sum(SIZES), tmp_path / "mesh", [*common, "--step_sleep_s", "0"])
     first = [0, SIZES[0]][killed]
     for r in range(SIZES[killed]):
