@@ -263,7 +263,8 @@ class UnequalQuorum:
                 f"{str(cause).splitlines()[0][:300] if cause is not None else 'on another rank of this group'}"
             )
         state, specs = header
-        federation.take_parts(PeerParts(state, specs, flats), averagings)
+        held = [t.cpu() for t in flats]  # until the Trainer loads them: a joining rank's GPU holds its model only
+        federation.take_parts(PeerParts(state, specs, held), averagings)
 
     def _shard(self) -> int:
         """This rank's shard in its group (its ranks are replica-major, as `GroupShape` numbers them)."""
