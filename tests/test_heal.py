@@ -5,13 +5,19 @@ into a `peer_state` of that group's own shards."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from hf_fedshard import FederatedAverager
 from hf_fedshard.engine.heal import PeerParts, cut, mend, receiving
 from hf_fedshard.engine.payload import model_state_addresses, model_state_shapes, model_state_tensors
 from hf_fedshard.engine.pieces import Address, GroupShape, PieceExchange
+from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.transports.quorum_world import UnequalQuorum
 
 from .fake_communicator import BARRIER_TIMEOUT_S, run_federation, run_ranks
 from .test_engine import build, train_step
@@ -98,3 +104,41 @@ def test_an_averager_takes_a_mended_peer_state_to_the_bit_momentum_included():
     momenta = [[s["momentum_buffer"] for s in o.optimizer.state.values()] for o in (ours, theirs)]
     assert len(momenta[0]) == len(ours.anchor) and all(map(torch.equal, *momenta))
     assert healed.step_count == live.step_count == 4 and healed.counters.syncs == live.counters.syncs
+
+
+class _FailedManager:
+    """torchft's Manager once a collective of this round failed on this rank (the heal's collectives are skipped)."""
+
+    def errored(self) -> Exception:
+        return RuntimeError("Connection closed by peer")
+
+
+@pytest.fixture
+def group_of_one_rank() -> Iterator[None]:
+    """A real one-rank gloo world: the group a heal agrees over."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("behind", [True, False], ids=["group-behind", "live-source"])
+def test_a_heal_that_fails_is_raised_on_the_group_behind_and_left_reported_on_a_live_one(group_of_one_rank, behind):
+    """Quorum of groups 0 (2 ranks, the source) and 1 (1 rank, behind); the heal's collectives fail on this rank. The
+    group behind agrees over its ranks and raises one line on each; a live group goes on (its Manager holds the
+    error, so its next round does not commit) and counts no heal."""
+    federation = SimpleNamespace(
+        group=dist.group.WORLD, group_id=int(behind), timeout_s=30.0, manager=_FailedManager(), heals=0,
+        provide_parts=lambda: PeerParts({}, [], []), take_parts=None,
+    )  # fmt: skip
+    quorum = UnequalQuorum(federation, FederationLayout(3, (2, 1)))
+    quorum._shapes, quorum._groups = (GroupShape((0, 1), 2), GroupShape((2,), 1)), (0, 1)
+    quorum._index, quorum.world_rank, quorum.world_size = int(behind), 2 if behind else 0, 3
+    if behind:
+        with pytest.raises(RuntimeError, match=r"^hf_fedshard: fed_group1 could not heal from fed_group0 \(") as err:
+            quorum._heal([1], 0, 3)
+        assert "Cause: Connection closed by peer" in str(err.value) and "\n" not in str(err.value)
+    else:
+        quorum._heal([1], 0, 3)
+    assert federation.heals == 0
