@@ -150,9 +150,10 @@ class ElasticFederation:
         receive: takes a peer's state (`provide`'s) when this group heals.
         layout: the nominal federation where its groups are of unequal size (``fed_group_size 4,2,2``): they
             average over every rank of the quorum (`UnequalQuorum`); ``None``: equal groups.
-        provide_parts: with groups of unequal size, `provide`'s state in parts (`hf_fedshard.engine.heal`), whose
-            tensors a group of another size takes shard by shard.
-        receive_parts: takes those parts on this group's own shards when it heals (groups of unequal size).
+        provide_parts: `provide`'s state in parts (`hf_fedshard.engine.heal`), whose tensors a group of another
+            size takes shard by shard; required with groups of unequal size, unused otherwise.
+        receive_parts: takes those parts on this group's own shards when it heals; required with groups of unequal
+            size, unused otherwise.
     """
 
     def __init__(
