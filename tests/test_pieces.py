@@ -207,3 +207,32 @@ def test_split_pieces_fall_on_the_int8_block_grid(monkeypatch):
     parts = pieces._parts(0, 1000, 3)
     assert [a for a, _ in parts] == [0, 512] and parts[-1][1] == 1000
     assert all(a % 256 == 0 for a, _ in parts) and math.prod(b > a for a, b in parts)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "shard", "source", "targets"),
+    [([1, 2], None, 0, [1]), ([4, 2, 2], 2, 1, [0]), ([2, 1, 3], None, 2, [0, 1]), ([3, 1], 1, 1, [0])],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_gives_the_targets_the_sources_values_byte_for_byte_and_leaves_the_others(
+    sizes, shard, source, targets, dtype, monkeypatch
+):
+    """A heal: the targets' shards (of their own size) take the source's values bit for bit; other groups send and
+    receive nothing but take part in the collectives (``None``)."""
+    monkeypatch.setattr(pieces, "SPLIT_VALUES", 64)
+    groups = layout(sizes, shard)
+    addresses = [Address(r * c, r, sharded) for r, c, sharded in TENSORS]
+
+    def rank_fn(world):
+        group = next(g for g, shape in enumerate(groups) if world.rank() in shape.ranks)
+        mine = [local(whole(group, i, dtype), groups[group], world.rank(), t[2]).reshape(-1)
+                for i, t in enumerate(TENSORS)]  # fmt: skip
+        flats = mine if group == source or group in targets else None
+        PieceExchange(world, groups, group).copy(flats, addresses, source, targets, torch.device("cpu"))
+        return group, mine
+
+    for rank, (group, tensors) in enumerate(run_ranks(sum(sizes), rank_fn)):
+        origin = source if group in targets else group
+        for i, (_, _, sharded) in enumerate(TENSORS):
+            want = local(whole(origin, i, dtype), groups[group], rank, sharded).reshape(-1)
+            assert torch.equal(tensors[i].view(torch.uint8), want.view(torch.uint8)), (rank, i)

@@ -67,6 +67,11 @@ def model_state_addresses(model: nn.Module) -> list[Address]:
     return params + [Address.of(b, sharded=False) for b in _buffers(model)]
 
 
+def model_state_shapes(model: nn.Module) -> list[tuple[int, ...]]:
+    """The whole shape of each of `model_state_tensors` (a DTensor's global one)."""
+    return [tuple(p.shape) for p in trainable_parameters(model)] + [tuple(b.shape) for b in _buffers(model)]
+
+
 def _buffers(model: nn.Module) -> Iterator[torch.Tensor]:
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):

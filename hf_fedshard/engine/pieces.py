@@ -31,6 +31,9 @@ the owner's one encoding: groups stay bit-identical.
 
 The slow tier carries each piece once per group and back, as a ring all-reduce does: 2·(G−1) copies of the model
 per averaging in all, whatever the sizes.
+
+A heal (`PieceExchange.copy`) uses the same pieces without a mean: the source group's designated holder sends each
+piece's raw bytes to each healing group's designated holder, who hands them to its group's other holders.
 """
 
 from __future__ import annotations
@@ -279,15 +282,18 @@ class PieceExchange:
             lo = piece.start - offsets[piece.tensor]
             return flats[piece.tensor][lo : lo + piece.numel]
 
+        def nbytes(piece: Piece) -> int:
+            return _encoded_bytes(piece.numel, sync_dtype)
+
         mine = [p for p in pieces if p.designated(self.group) == self.me]
         encoded = {p: _to_bytes(values(p), sync_dtype) for p in mine}
-        copies = self._route(pieces, to_owner, encoded, sync_dtype, device)
+        copies = self._route(pieces, to_owner, encoded, nbytes, device)
         means = {
             p: self._owner_mean(p, encoded[p], copies, contributors, sync_dtype) for p in mine if p.owner == self.group
         }
-        back = self._route(pieces, from_owner, means, sync_dtype, device)
+        back = self._route(pieces, from_owner, means, nbytes, device)
         means.update({p: data for (p, _), data in back.items()})
-        fanned = self._route(pieces, to_replicas, means, sync_dtype, device)
+        fanned = self._route(pieces, to_replicas, means, nbytes, device)
         means.update({p: data for (p, _), data in fanned.items()})
         results = [f.clone() for f in flats]
         for piece, data in means.items():
@@ -311,18 +317,71 @@ class PieceExchange:
             total += shape.weight * _from_bytes(data, piece.numel, sync_dtype)
         return _to_bytes(total / contributors, sync_dtype)
 
+    @torch.no_grad()
+    def copy(
+        self,
+        flats: Sequence[torch.Tensor] | None,
+        addresses: Sequence[Address],
+        source: int,
+        targets: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        """Overwrite the groups ``targets``' parts of every tensor with group ``source``'s, byte for byte (a heal:
+        the targets' shards need not pair with the source's).
+
+        ``flats``: this rank's flat parts of ``addresses`` (any dtype, each group's own shards) on the ranks of
+        ``source`` and ``targets``; ``None`` on the other groups' ranks, which only take part in the all-to-alls.
+        The source's designated holder of each piece sends its bytes to each target's designated holder, who hands
+        them to the target's other holders (the fast tier). ``device``: where the bytes travel (the world's).
+        """
+        for start, stop in bucket_ranges([a.numel * 4 for a in addresses], self.bucket_bytes):
+            bucket = None if flats is None else flats[start:stop]
+            self._copy_flat(bucket, tuple(addresses[start:stop]), source, tuple(targets), device)
+
+    def _copy_flat(
+        self,
+        flats: Sequence[torch.Tensor] | None,
+        addresses: tuple[Address, ...],
+        source: int,
+        targets: tuple[int, ...],
+        device: torch.device,
+    ) -> None:
+        """`copy` over one bucket: two all-to-alls (source → targets, then inside each target)."""
+        pieces = plan(addresses, self.groups)
+        offsets = [] if flats is None else [self.offset(a, f) for a, f in zip(addresses, flats, strict=True)]
+
+        def part(piece: Piece) -> torch.Tensor:  # this rank's values of the piece, as bytes (a view)
+            lo = piece.start - offsets[piece.tensor]
+            return flats[piece.tensor][lo : lo + piece.numel].view(torch.uint8)
+
+        def nbytes(piece: Piece) -> int:
+            return piece.numel * flats[piece.tensor].element_size()
+
+        def to_targets(piece: Piece) -> list[tuple[int, int]]:
+            return [(piece.designated(source), piece.designated(t)) for t in targets]
+
+        def inside_targets(piece: Piece) -> list[tuple[int, int]]:
+            return [(piece.holders[t][0], other) for t in targets for other in piece.holders[t][1:]]
+
+        sent = {p: part(p).to(device) for p in pieces if p.designated(source) == self.me}
+        received = {p: data for (p, _), data in self._route(pieces, to_targets, sent, nbytes, device).items()}
+        fanned = self._route(pieces, inside_targets, received, nbytes, device)
+        received.update({p: data for (p, _), data in fanned.items()})
+        for piece, data in received.items():
+            part(piece).copy_(data)
+
     def _route(
         self,
         pieces: Sequence[Piece],
         transfers: Transfers,
         payloads: dict[Piece, torch.Tensor],
-        sync_dtype: str,
+        nbytes: Callable[[Piece], int],
         device: torch.device,
     ) -> dict[tuple[Piece, int], torch.Tensor]:
         """One all-to-all over the world: each piece's bytes go along its ``transfers`` (source, target) pairs.
 
-        Returns what this rank received, by (piece, the sender's group). No collective where the plan has no
-        transfer (a function of the plan: the same on every rank).
+        ``nbytes``: the bytes of a piece this rank receives. Returns what this rank received, by (piece, the sender's
+        group). No collective where the plan has no transfer (a function of the plan: the same on every rank).
         """
         size = self.world.size()
         outgoing: list[list[torch.Tensor]] = [[] for _ in range(size)]
@@ -334,7 +393,7 @@ class PieceExchange:
                 if source == self.me:
                     outgoing[target].append(payloads[piece])
                 if target == self.me:
-                    incoming[source].append((piece, _encoded_bytes(piece.numel, sync_dtype)))
+                    incoming[source].append((piece, nbytes(piece)))
         if not routed:
             return {}
         empty = torch.empty(0, dtype=torch.uint8, device=device)

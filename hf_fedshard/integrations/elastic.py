@@ -5,7 +5,8 @@ A group that joins a running federation (a restart, or a new group) heals before
 first quorum hands it a live peer's state right after an averaging, and the Trainer resumes from it as from a
 checkpoint (global step, learning-rate schedule, data position, global model, anchors and outer state), except that
 its inner optimizer starts fresh: only the trainer state, ``trainer_state.json``, touches the disk, in a temporary
-folder of its own.
+folder of its own. Between groups of unequal size the same state travels in parts (`peer_parts`, `peer_state_of`),
+its tensors copied onto the joining group's own shards.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING
 from transformers.trainer import TRAINER_STATE_NAME
 
 from hf_fedshard.checkpointing.checkpoint import model_fingerprint
+from hf_fedshard.engine.heal import PeerParts, cut, mend
+from hf_fedshard.engine.payload import model_state_addresses, model_state_shapes
 from hf_fedshard.transports.elastic import fingerprint
 
 if TYPE_CHECKING:
@@ -53,6 +56,23 @@ def peer_state(trainer: FedShardMixin) -> dict:
         "trainer": dataclasses.asdict(trainer.state),
         "scheduler": trainer.lr_scheduler.state_dict(),
     }
+
+
+def peer_parts(trainer: FedShardMixin) -> PeerParts:
+    """`peer_state` in parts, for a group of another size (`hf_fedshard.engine.heal`): the tensors by address."""
+    state = peer_state(trainer)
+    if state.get(NOT_READY):
+        return PeerParts(state, [], [])
+    model = trainer.fed_callback.averager.model
+    parts = cut(state["averager"], model_state_shapes(model), model_state_addresses(model))
+    return dataclasses.replace(parts, state={**state, "averager": parts.state})
+
+
+def peer_state_of(parts: PeerParts) -> dict:
+    """`peer_parts`' output, received on this rank's own shards, as `peer_state` (the same heal from then on)."""
+    if not parts.specs:
+        return parts.state
+    return {**parts.state, "averager": mend(dataclasses.replace(parts, state=parts.state["averager"]))}
 
 
 def resume_folder(state: dict) -> str:

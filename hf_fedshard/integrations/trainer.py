@@ -61,7 +61,14 @@ from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.arguments import FedShardArgumentsMixin, FedShardTrainingArguments
 from hf_fedshard.integrations.callback import FedAvgCallback
 from hf_fedshard.integrations.card import CARD_EXTRAS, TrainingClock, clock_hidden, extend_card
-from hf_fedshard.integrations.elastic import NOT_READY, federation_fingerprint, peer_state, resume_folder
+from hf_fedshard.integrations.elastic import (
+    NOT_READY,
+    federation_fingerprint,
+    peer_parts,
+    peer_state,
+    peer_state_of,
+    resume_folder,
+)
 from hf_fedshard.integrations.fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
 from hf_fedshard.integrations.group_eval import evaluate_each_group
 from hf_fedshard.integrations.group_gather import gathers_within_group
@@ -377,6 +384,8 @@ class FedShardMixin(Trainer):
             num_groups=self.args.fed_num_groups, group=torch.distributed.group.WORLD,
             timeout_s=self.args.fed_exchange_timeout_s, fingerprint=federation_fingerprint(self),
             provide=lambda: peer_state(self), receive=self._take_peer_state, layout=self.fed_layout,
+            provide_parts=lambda: peer_parts(self),
+            receive_parts=lambda parts: self._take_peer_state(peer_state_of(parts)),
         )  # fmt: skip
 
     def _join_quorum(self, checkpoint: str | None) -> str | None:

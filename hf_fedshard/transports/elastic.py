@@ -14,8 +14,8 @@ at this rank's position in those groups: the engine's ``peers``. An averaging is
   the training loop adds, see `ElasticFederation.provide`).
 
 The control all-reduce (every rank of the federation) is an all-reduce inside the group, then across the quorum.
-Groups of unequal size (each launch given the list, ``--fed_group_size 4,2,2``) average over one process group of
-every rank of the quorum instead: `hf_fedshard.transports.quorum_world`.
+Groups of unequal size (each launch given the list, ``--fed_group_size 4,2,2``) average, and heal a group behind,
+over one process group of every rank of the quorum instead: `hf_fedshard.transports.quorum_world`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from hf_fedshard.engine.communicator import (
     ProcessGroupCommunicator,
     Round,
 )
+from hf_fedshard.engine.heal import PeerParts
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.transports.mesh import FederationLayout
 from hf_fedshard.transports.quorum_world import UnequalQuorum, quorum_process_group
@@ -149,6 +150,10 @@ class ElasticFederation:
         receive: takes a peer's state (`provide`'s) when this group heals.
         layout: the nominal federation where its groups are of unequal size (``fed_group_size 4,2,2``): they
             average over every rank of the quorum (`UnequalQuorum`); ``None``: equal groups.
+        provide_parts: `provide`'s state in parts (`hf_fedshard.engine.heal`), whose tensors a group of another
+            size takes shard by shard; required with groups of unequal size, unused otherwise.
+        receive_parts: takes those parts on this group's own shards when it heals; required with groups of unequal
+            size, unused otherwise.
     """
 
     def __init__(
@@ -163,10 +168,13 @@ class ElasticFederation:
         provide: Callable[[], dict],
         receive: Callable[[dict], None],
         layout: FederationLayout | None = None,
+        provide_parts: Callable[[], PeerParts] | None = None,
+        receive_parts: Callable[[PeerParts], None] | None = None,
     ) -> None:
         _import_torchft()  # refuse a missing torchft at construction, before training
         self.group_id, self.num_groups, self.group = group_id, num_groups, group
         self.fingerprint, self.provide, self.receive = fingerprint, provide, receive
+        self.provide_parts, self.receive_parts = provide_parts, receive_parts
         self.timeout_s, self.lighthouse = timeout_s, lighthouse
         self.heals = 0
         self.groups_averaged = 0  # groups in the last committed averaging
@@ -187,6 +195,7 @@ class ElasticFederation:
         self.pg = base(timeout=timeout) if self.unequal is None else quorum_process_group(base, timeout)
         if self.unequal is not None:
             self.unequal.pg = base(timeout=timeout)
+            self.unequal.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else self.unequal.device
         self._store = _group_store(group)
         try:
             self.manager = torchft.Manager(
@@ -251,7 +260,7 @@ class ElasticFederation:
         self._healed = False
         begin = time.perf_counter()
         try:
-            self.manager.start_quorum(allow_heal=self.unequal is None)  # unequal: torchft's heal pairs no shards
+            self.manager.start_quorum(allow_heal=self.unequal is None)  # unequal: UnequalQuorum heals across sizes
         except ConfigError:
             raise
         except Exception as err:  # the lighthouse is unreachable, or no quorum formed within the timeout
@@ -300,6 +309,13 @@ class ElasticFederation:
             )
         self._healed = True
         self.receive(state["state"])
+
+    def take_parts(self, parts: PeerParts, averagings: int) -> None:
+        """A heal across sizes arrived on every rank of this group (`UnequalQuorum`): take it, and count the
+        averagings the state holds as committed here too (torchft's own heal sets them; it is off here)."""
+        self._healed = True
+        self.receive_parts(parts)
+        self.manager.load_state_dict({"step": averagings, "batches_committed": self.manager.batches_committed()})
 
     def _check_members(self) -> None:
         """One all-reduce when the quorum changes: no two groups share an id, all run the same settings, and how

@@ -10,18 +10,21 @@ of every group in the quorum. After each new quorum:
    each first rank hands it to its group's other ranks (the fast tier);
 2. every rank joins one gloo (or NCCL) process group over the quorum's ranks, numbered group by group in quorum
    order (world size = Σ sizes), through the store of the quorum's rendezvous under a key of its own;
-3. that group carries the pieces of each averaging and its control all-reduce; a failed collective is reported to
+3. a group behind the others (a restart, a late start, a round it lost) heals over that group from the first group
+   level with them (`UnequalQuorum._heal`, `hf_fedshard.engine.heal`): what every layout shares from its first
+   rank, the tensors copied byte for byte from its shards onto the healing group's own;
+4. that group carries the pieces of each averaging and its control all-reduce; a failed collective is reported to
    the `Manager` (the round does not commit) and the rest of the round is skipped, as on the equal groups' path.
 
 torchft's Manager keeps its own process group: it serves the first ranks' table, and its ranks with no peer in a
 smaller group rendezvous with the groups that have one (`quorum_process_group`). Its heal (a live peer's state,
-rank r from rank r) cannot pair shards of groups of different sizes, so it is off here: a group behind the
-others is refused in one line (`UnequalQuorum.configure`).
+rank r from rank r) cannot pair shards of groups of different sizes, so it is off here, replaced by step 3.
 """
 
 from __future__ import annotations
 
 import hashlib
+import pickle
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -29,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hf_fedshard.engine.pieces import GroupShape
+from hf_fedshard.engine.heal import PeerParts, receiving
+from hf_fedshard.engine.pieces import GroupShape, PieceExchange
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.transports.mesh import FederationLayout
 
@@ -87,6 +91,22 @@ class QuorumWorld:
         opts = dist.AllToAllOptions()
         self._run(lambda pg: pg.alltoall_base(output, input, output_splits, input_splits, opts), output)
 
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """``obj`` of rank ``root`` (pickled), on every rank; ``None`` where a broadcast failed (reported)."""
+        device, manager = self.quorum.device, self.quorum.federation.manager
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if self.rank() == root else None
+        size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
+        self._broadcast(size, root)
+        empty = data is None
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device) if empty else data.to(device)
+        self._broadcast(buffer, root)
+        return None if manager.errored() is not None else pickle.loads(buffer.cpu().numpy().tobytes())
+
+    def _broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        self._run(lambda pg: pg.broadcast([tensor], opts), tensor)
+
     def _run(self, collective: Callable[[Any], Any], output: torch.Tensor) -> None:
         manager, pg = self.quorum.federation.manager, self.quorum.pg
         if manager.errored() is None:
@@ -112,7 +132,8 @@ class UnequalQuorum:
         self.federation, self.layout = federation, layout
         me = federation.group_id
         self._shapes = (GroupShape(tuple(range(layout.size_of(me))), layout.shard_of(me)),)  # until a quorum
-        self._index = 0
+        self._groups, self._index = (me,), 0  # the quorum's nominal group ids, and this group's index among them
+        self.device = torch.device("cpu")  # where the world's collectives run (the GPU under NCCL)
         self.world_rank, self.world_size = dist.get_rank(federation.group), layout.size_of(me)
         self.pg: Any = None  # torchft's gloo/NCCL group, given by the federation when it starts torchft
         self.world = QuorumWorld(self)
@@ -124,9 +145,9 @@ class UnequalQuorum:
         return self._index
 
     def configure(self) -> None:
-        """After a new quorum: learn its groups (the first ranks' table), check them, and join the process group
-        over their ranks. A failure is reported to the Manager (this round does not commit); a group behind the
-        others, or settings that differ, are refused in one line."""
+        """After a new quorum: learn its groups (the first ranks' table), check them, join the process group over
+        their ranks, and heal the groups behind the others (`_heal`). A failure is reported to the Manager (this
+        round does not commit); two launches of one group, or settings that differ, are refused in one line."""
         from torchft.process_group import reconfigure_with_store
 
         federation = self.federation
@@ -134,14 +155,14 @@ class UnequalQuorum:
         if table is None:
             federation.manager.report_error(RuntimeError("the quorum's table of groups was not exchanged"))
             return
-        order = self._check(table)
+        order, steps = self._check(table)
         offsets = [0]
         for g in order:
             offsets.append(offsets[-1] + self.layout.size_of(g))
         self._shapes = tuple(
             GroupShape(tuple(range(offsets[i], offsets[i + 1])), self.layout.shard_of(g)) for i, g in enumerate(order)
         )
-        self._index = order.index(federation.group_id)
+        self._groups, self._index = tuple(order), order.index(federation.group_id)
         self.world_rank = offsets[self._index] + dist.get_rank(federation.group)
         self.world_size = offsets[-1]
         try:  # alone in the quorum too: the control all-reduce and the HSDP replicas' pieces run over its ranks
@@ -151,6 +172,11 @@ class UnequalQuorum:
             )  # fmt: skip
         except Exception as err:  # a group of the quorum left before joining: this round fails, the next redoes it
             federation.manager.report_error(err)
+        latest = max(steps[g] for g in order)
+        behind = [i for i, g in enumerate(order) if steps[g] < latest]
+        if behind:
+            source = next(i for i, g in enumerate(order) if steps[g] == latest)  # the first group level with the rest
+            self._heal(behind, source, int(latest))
 
     def _exchange_table(self) -> tuple[torch.Tensor | None, str | None]:
         """The quorum's table (summed by the groups' first ranks over the Manager's process group), and the address
@@ -180,13 +206,13 @@ class UnequalQuorum:
             return [None, None]
         return [table, rendezvous.store_addr]
 
-    def _check(self, table: torch.Tensor) -> list[int]:
-        """The groups of the quorum in quorum order, once the table shows distinct ids, one setting and no group
-        behind the others (every rank of every group reads the same table, so every rank refuses alike)."""
+    def _check(self, table: torch.Tensor) -> tuple[list[int], list[float]]:
+        """The groups of the quorum in quorum order and each nominal group's averaging count, once the table shows
+        distinct ids and one setting (every rank of every group reads the same table, so every rank refuses
+        alike)."""
         n, federation = self.layout.num_groups, self.federation
         counts, positions, steps = table[:n].tolist(), table[n : 2 * n].tolist(), table[2 * n : 3 * n].tolist()
         present = [g for g in range(n) if counts[g] > 0]
-        latest = max(steps[g] for g in present)
         if counts[federation.group_id] > 1:
             raise ConfigError(
                 f"hf_fedshard: two launches claim fed_group_id={federation.group_id}. Give every group its own "
@@ -197,14 +223,52 @@ class UnequalQuorum:
                 "hf_fedshard: the groups of the federation were started with different settings (model, fed_* "
                 "settings, fed_group_size list or batch). Start every group with the same ones."
             )
-        behind = latest - steps[federation.group_id]
-        if behind > 0:
-            raise ConfigError(
-                f"hf_fedshard: fed_group{federation.group_id} is {behind:g} averaging(s) behind the live groups, and "
-                "with groups of unequal size (fed_group_size list) a group cannot heal from a live one (their shards "
-                "differ): restart every group from its newest checkpoint (fed_auto_resume), or give them one size."
+        return sorted(present, key=lambda g: positions[g]), steps
+
+    def _heal(self, behind: list[int], source: int, averagings: int) -> None:
+        """Copy group ``source``'s state (indices in the quorum; it holds the global model of ``averagings``
+        averagings) onto the groups ``behind``: what every layout shares from its first rank, the tensors shard by
+        shard (`hf_fedshard.engine.heal`). The other groups only take part in the collectives. A failure is
+        reported to the Manager (this round does not commit) and, in a group behind, raised on each of its ranks."""
+        federation, me = self.federation, self._index
+        parts = federation.provide_parts() if me == source else None
+        root = self._shapes[source].ranks[0]
+        header = self.world.broadcast_object(
+            (parts.state, parts.specs) if parts is not None and self.world_rank == root else None, root
+        )
+        flats = parts.tensors if parts is not None else None
+        if header is not None and me in behind:
+            flats = receiving(header[1], self._shapes[me], self._shard(), self.device)
+        if header is not None and header[1]:
+            exchange = PieceExchange(self.world, self._shapes, me)
+            exchange.copy(flats, [spec.address for spec in header[1]], source, behind, self.device)
+        failed = header is None or federation.manager.errored() is not None
+        if me in behind:
+            self._take(failed, header, flats, averagings, source)
+        if not failed:
+            federation.heals += len(behind)
+
+    def _take(self, failed: bool, header: Any, flats: list[torch.Tensor], averagings: int, source: int) -> None:
+        """On a group behind: agree over its ranks whether the heal arrived everywhere, then take it (or raise on
+        every rank: a group with half its ranks healed would average shards of two models)."""
+        federation = self.federation
+        flag = torch.tensor([float(failed)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=federation.group)
+        if flag.item() > 0:
+            cause = federation.manager.errored()
+            raise RuntimeError(
+                f"hf_fedshard: fed_group{federation.group_id} could not heal from fed_group"
+                f"{self._groups[source]} (a group left or a link broke during the copy; fed_timeout_s="
+                f"{federation.timeout_s:g}): restart it (torchrun --max-restarts) to heal again. Cause: "
+                f"{str(cause).splitlines()[0][:300] if cause is not None else 'on another rank of this group'}"
             )
-        return sorted((g for g in present if steps[g] == latest), key=lambda g: positions[g])  # the behind leave
+        state, specs = header
+        held = [t.cpu() for t in flats]  # until the Trainer loads them: a joining rank's GPU holds its model only
+        federation.take_parts(PeerParts(state, specs, held), averagings)
+
+    def _shard(self) -> int:
+        """This rank's shard in its group (its ranks are replica-major, as `GroupShape` numbers them)."""
+        return dist.get_rank(self.federation.group) % self._shapes[self._index].shard_size
 
 
 def _code(text: str) -> float:

@@ -373,6 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         "params_before_export": exporter.params_before if exporter else None,
         "params_after_export": exporter.params_after if exporter else None,
         "sync_params": syncs.params if syncs else None,
+        "sync_start": syncs.start if syncs else None,
         "sync_exchanges": syncs.exchanges if syncs else None,
         "sync_fragments": syncs.fragments if syncs else None,
         "exchange_starts": syncs.starts if syncs else None,
