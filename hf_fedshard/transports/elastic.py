@@ -20,7 +20,6 @@ over one process group of every rank of the quorum instead: `hf_fedshard.transpo
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import socket
@@ -42,6 +41,7 @@ from hf_fedshard.engine.communicator import (
 )
 from hf_fedshard.engine.heal import PeerParts
 from hf_fedshard.errors import ConfigError
+from hf_fedshard.transports.members import refuse_bad_members, settings_code
 from hf_fedshard.transports.mesh import FederationLayout
 from hf_fedshard.transports.quorum_world import UnequalQuorum, quorum_process_group
 
@@ -322,23 +322,15 @@ class ElasticFederation:
         many groups healed into it (``fed_heals``)."""
         vector = torch.zeros(self.num_groups + 3, dtype=torch.float64)
         vector[self.group_id] = 1.0
-        code = _fingerprint_code(self.fingerprint)
+        code = settings_code(self.fingerprint)
         vector[-3], vector[-2], vector[-1] = code, code * code, 1.0 if self._healed else 0.0
         self.peers.all_reduce_sum(vector)
         counts, total, squares, healed = vector[:-3], vector[-3].item(), vector[-2].item(), vector[-1].item()
         groups = self.peers.size()
         if self.manager.errored() is not None:
             return  # the round that follows fails and forms the next quorum, which checks again
-        if counts[self.group_id] > 1:
-            raise ConfigError(
-                f"hf_fedshard: two launches claim fed_group_id={self.group_id}. Give every group its own "
-                f"--fed_group_id in 0..{self.num_groups - 1}."
-            )
-        if groups * squares != total * total:  # equal iff every group's code is the same (Cauchy-Schwarz)
-            raise ConfigError(
-                "hf_fedshard: the groups of the federation were started with different settings (model, fed_* "
-                "settings, group size or batch). Start every group with the same ones."
-            )
+        refuse_bad_members(counts[self.group_id].item(), self.group_id, self.num_groups, groups, total, squares,
+                           "model, fed_* settings, group size or batch")  # fmt: skip
         self.heals += int(healed)
 
 
@@ -373,11 +365,6 @@ def advertised_hostname() -> str:
 def fingerprint(**settings: object) -> str:
     """A text naming the settings every group must share, for the checks when groups meet."""
     return ";".join(f"{k}={v}" for k, v in sorted(settings.items()))
-
-
-def _fingerprint_code(text: str) -> float:
-    """A 20-bit code of ``text``: its square and sums over a few thousand groups stay exact in float64."""
-    return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") % (1 << 20))
 
 
 def _describe_fingerprint(text: str) -> str:

@@ -23,7 +23,6 @@ rank r from rank r) cannot pair shards of groups of different sizes, so it is of
 
 from __future__ import annotations
 
-import hashlib
 import pickle
 from collections.abc import Callable
 from datetime import timedelta
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from hf_fedshard.engine.heal import PeerParts, receiving
 from hf_fedshard.engine.pieces import GroupShape, PieceExchange
-from hf_fedshard.errors import ConfigError
+from hf_fedshard.transports.members import refuse_bad_members, settings_code
 from hf_fedshard.transports.mesh import FederationLayout
 
 if TYPE_CHECKING:
@@ -199,7 +198,7 @@ class UnequalQuorum:
         table = torch.zeros(n * _COLUMNS + 2, dtype=torch.float64)
         g = federation.group_id
         table[g], table[n + g], table[2 * n + g] = 1.0, rendezvous.rank, federation.manager.current_step()
-        code = _code(federation.fingerprint)
+        code = settings_code(federation.fingerprint)
         table[-2], table[-1] = code, code * code
         federation.peers.all_reduce_sum(table)
         if federation.manager.errored() is not None:
@@ -213,16 +212,8 @@ class UnequalQuorum:
         n, federation = self.layout.num_groups, self.federation
         counts, positions, steps = table[:n].tolist(), table[n : 2 * n].tolist(), table[2 * n : 3 * n].tolist()
         present = [g for g in range(n) if counts[g] > 0]
-        if counts[federation.group_id] > 1:
-            raise ConfigError(
-                f"hf_fedshard: two launches claim fed_group_id={federation.group_id}. Give every group its own "
-                f"--fed_group_id in 0..{n - 1}."
-            )
-        if len(present) * table[-1].item() != table[-2].item() ** 2:  # every code equal (Cauchy-Schwarz)
-            raise ConfigError(
-                "hf_fedshard: the groups of the federation were started with different settings (model, fed_* "
-                "settings, fed_group_size list or batch). Start every group with the same ones."
-            )
+        refuse_bad_members(counts[federation.group_id], federation.group_id, n, len(present), table[-2].item(),
+                           table[-1].item(), "model, fed_* settings, fed_group_size list or batch")  # fmt: skip
         return sorted(present, key=lambda g: positions[g]), steps
 
     def _heal(self, behind: list[int], source: int, averagings: int) -> None:
@@ -269,8 +260,3 @@ class UnequalQuorum:
     def _shard(self) -> int:
         """This rank's shard in its group (its ranks are replica-major, as `GroupShape` numbers them)."""
         return dist.get_rank(self.federation.group) % self._shapes[self._index].shard_size
-
-
-def _code(text: str) -> float:
-    """A 20-bit code of ``text`` (its square and sums stay exact in float64)."""
-    return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") % (1 << 20))
