@@ -287,10 +287,6 @@ class FederatedAverager:
         self._follow_groups()
         return self._exchange
 
-    @exchange.setter
-    def exchange(self, exchange: Exchange | PieceExchange) -> None:
-        self._exchange = exchange
-
     # ---- Checkpoints ----
 
     def state_dict(self) -> dict:
