@@ -26,14 +26,20 @@ SGD = [
 ]  # fmt: skip
 
 
-def start_torchrun(nproc: int, script: str | Path, args: list[str], max_restarts: int = 0) -> subprocess.Popen:
+def start_torchrun(
+    nproc: int, script: str | Path, args: list[str], max_restarts: int = 0, preloaded: bool = True
+) -> subprocess.Popen:
     """Start ``script`` on ``nproc`` local CPU ranks (output piped); `finish` waits for it.
+
+    ``preloaded`` forks the workers from a launcher that has imported the libraries once (tests/preloaded_torchrun.py);
+    False starts each in a fresh interpreter, as plain torchrun does.
 
     With ``max_restarts``, torchrun restarts the whole job after a failure; its rendezvous store is then not
     shared with the workers, whose restarted process groups would otherwise read the dead ones' addresses
     (pytorch/pytorch#135712), as docs/fault_tolerance.md tells users to do.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    launcher = [str(REPO / "tests" / "preloaded_torchrun.py")] if preloaded else ["-m", "torch.distributed.run"]
+    cmd = [sys.executable, *launcher, "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", str(script), *map(str, args)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1" if max_restarts else "0", "PYTHONPATH": str(REPO)}  # fmt: skip
@@ -60,10 +66,15 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 def torchrun(
-    nproc: int, script: str | Path, args: list[str], timeout_s: float = 240, max_restarts: int = 0
+    nproc: int,
+    script: str | Path,
+    args: list[str],
+    timeout_s: float = 240,
+    max_restarts: int = 0,
+    preloaded: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` local CPU ranks; raise ``TimeoutError`` (after killing it) on a hang."""
-    return finish(start_torchrun(nproc, script, args, max_restarts), timeout_s)
+    return finish(start_torchrun(nproc, script, args, max_restarts, preloaded), timeout_s)
 
 
 def _descendants(pid: int) -> list[int]:

@@ -1,0 +1,49 @@
+"""torchrun whose workers are forked from a launcher that has already imported torch, Transformers and hf_fedshard.
+
+Every check script imports the same libraries, about 12 CPU-seconds per rank on CI's 2 cores: with ~500 ranks
+started, most of the suite's time. Here they are imported once per launch. The agent, rendezvous, restarts and
+failure reports are torchrun's own (`torch.distributed.run.main`); only the worker start differs
+(``--run-path --start-method fork``), and each worker runs its script as ``python script.py`` would: the
+script's folder first on ``sys.path``, default signal handlers, and the atexit hooks at the end (with
+``sys.last_value`` set first on an uncaught exception, as the interpreter does). A check that needs a fresh
+interpreter's own exit (tests/scripts/gloo_exit.py) is launched with plain torchrun instead.
+
+    python tests/preloaded_torchrun.py --standalone --nproc_per_node 4 /abs/path/script.py --arg value
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import signal
+import sys
+
+import torch.distributed.run
+from accelerate import Accelerator  # noqa: F401 (preloaded for the workers)
+from transformers import LlamaForCausalLM, Trainer  # noqa: F401 (preloaded for the workers)
+
+import hf_fedshard.integrations.trainer  # noqa: F401 (preloaded for the workers)
+
+
+def run_script(path: str, *args: str) -> None:
+    """Run ``path`` with ``args`` in this (forked) worker as ``python path args`` would."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the agent's handlers are inherited by a fork
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.argv = [path, *args]
+    sys.path[0] = os.path.dirname(path)
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except BaseException as exc:
+        if not isinstance(exc, SystemExit):
+            sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+        raise
+    finally:
+        atexit._run_exitfuncs()  # a forked worker leaves through os._exit, which skips them
+
+
+if __name__ == "__main__":
+    if "torchft" in sys.argv:
+        import torchft  # noqa: F401 (preloaded for the workers of a torchft launch)
+    torch.distributed.run.run_script_path = run_script  # what --run-path runs in each worker
+    torch.distributed.run.main(["--run-path", "--start-method", "fork", *sys.argv[1:]])
