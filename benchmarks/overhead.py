@@ -28,6 +28,12 @@ is taken in each repetition (they ran back to back) before its median. Run it al
 
     python benchmarks/overhead.py                 # tiny preset, 48 steps, 3 repetitions (about 8 minutes)
     python benchmarks/overhead.py --quick         # micro preset, 24 steps, 2 repetitions (about 3 minutes)
+
+Four ranks on 2 cores wait for each other's turn on a core, and that moves a step by ±15–20% between runs. With
+``--num-groups 1 --pin`` a single group of 2 ranks trains, each rank pinned to a core of its own (``trainer``:
+one job; ``fedshard``: one group, which never averages): the loop's own cost without the wait for a core.
+
+    python benchmarks/overhead.py --num-groups 1 --pin --reps 6
 """
 
 from __future__ import annotations
@@ -155,7 +161,8 @@ def trainer_worker(opts: argparse.Namespace) -> list[dict]:
     )  # fmt: skip
     if opts.method.startswith("fedshard"):
         keep = {"fsdp_config": {"reshard_after_forward": False}} if opts.method == "fedshard_no_reshard" else {}
-        args = FedShardTrainingArguments(**common, fed_group_size=2, fed_sync_steps=opts.sync_steps, **keep)
+        args = FedShardTrainingArguments(**common, fed_group_size=opts.group_size, fed_sync_steps=opts.sync_steps,
+                                         **keep)  # fmt: skip
         base = FedShardTrainer
     else:
         args = TrainingArguments(**common, use_cpu=True, fsdp=True, fsdp_config={"version": 2})  # as FedShard's
@@ -230,7 +237,7 @@ def trainer_worker(opts: argparse.Namespace) -> list[dict]:
 
 
 def handwritten_worker(opts: argparse.Namespace) -> list[dict]:
-    """FSDP2 in groups of 2 and FedAvg of the local shards every H steps, with nothing else around it."""
+    """FSDP2 in groups and FedAvg of the local shards every H steps, with nothing else around it."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -240,7 +247,7 @@ def handwritten_worker(opts: argparse.Namespace) -> list[dict]:
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("fed", "dp_shard"))
+    mesh = init_device_mesh("cpu", (opts.num_groups, opts.group_size), mesh_dim_names=("fed", "dp_shard"))
     model = build_model(opts.model_size, opts.seq_len)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp_shard"])
@@ -249,7 +256,7 @@ def handwritten_worker(opts: argparse.Namespace) -> list[dict]:
     data = random_blocks(opts.num_samples, opts.seq_len)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
     loader = DataLoader(data, batch_size=opts.batch_size, sampler=sampler, collate_fn=default_data_collator)
-    fed_group, num_groups = mesh.get_group("fed"), world // 2
+    fed_group = mesh.get_group("fed")
     timeline, batches = Timeline(), iter(loader)
     timeline._last_end, timeline._last_cpu = time.perf_counter(), time.process_time()
     model.train()
@@ -264,12 +271,12 @@ def handwritten_worker(opts: argparse.Namespace) -> list[dict]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
             optimizer.step()
             optimizer.zero_grad()
-        if step % opts.sync_steps == 0 or step == opts.steps:
+        if opts.num_groups > 1 and (step % opts.sync_steps == 0 or step == opts.steps):
             with timeline.timed("averaging"), torch.no_grad():
                 shards = [p.to_local() for p in model.parameters()]
                 flat = torch.cat([s.reshape(-1) for s in shards])
                 dist.all_reduce(flat, group=fed_group)
-                flat.div_(num_groups)
+                flat.div_(opts.num_groups)
                 for shard, mean in zip(shards, flat.split([s.numel() for s in shards]), strict=True):
                     shard.copy_(mean.view_as(shard))
         if step % opts.logging_steps == 0 and rank == 0:
@@ -283,22 +290,31 @@ def handwritten_worker(opts: argparse.Namespace) -> list[dict]:
 
 
 def worker(opts: argparse.Namespace) -> None:
+    if opts.pin:
+        os.sched_setaffinity(0, {opts.first_core + int(os.environ["LOCAL_RANK"])})
     steps = handwritten_worker(opts) if opts.method == "handwritten" else trainer_worker(opts)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(opts.record).write_text(json.dumps(steps))
 
 
+def jobs(opts: argparse.Namespace, method: str) -> list[tuple[int, str, int]]:
+    """The launches of one run of ``method``, as (ranks, name, first core): one over all groups' ranks, or for
+    ``trainer`` one per group side by side (its ranks on the cores after the previous group's)."""
+    size, groups = opts.group_size, opts.num_groups
+    if method == "trainer":
+        return [(size, f"{method}{j}", j * size) for j in range(groups)]
+    return [(size * groups, method, 0)]
+
+
 def launch(opts: argparse.Namespace, method: str, record_dir: Path) -> list[tuple[int, list[dict]]]:
-    """One run of ``method`` on 4 ranks (``trainer``: two 2-rank jobs side by side): (ranks, rank 0's steps)
-    per job."""
-    jobs = [(2, f"{method}{j}") for j in range(2)] if method == "trainer" else [(4, method)]
+    """One run of ``method``: (ranks, rank 0's steps) per launch."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     procs = []
-    for nproc, name in jobs:
+    for nproc, name, first_core in jobs(opts, method):
         record = record_dir / f"{name}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                __file__, "--worker", "--method", method, "--record", str(record), "--workdir",
-               str(record_dir / name), *opts.worker_args]  # fmt: skip
+               str(record_dir / name), "--first-core", str(first_core), *opts.worker_args]  # fmt: skip
         log = open(record_dir / f"{name}.log", "w")  # noqa: SIM115 (closed when the process ends)
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         procs.append((nproc, proc, record, log))
@@ -311,11 +327,11 @@ def launch(opts: argparse.Namespace, method: str, record_dir: Path) -> list[tupl
     return results
 
 
-def summarise(jobs: list[tuple[int, list[dict]]], tokens_per_rank_step: int, warmup: int) -> dict:
-    """tokens/s of one run (all its jobs together) and its mean phase times per step after the warm-up."""
+def summarise(launches: list[tuple[int, list[dict]]], tokens_per_rank_step: int, warmup: int) -> dict:
+    """tokens/s of one run (all its launches together) and its mean phase times per step after the warm-up."""
     rate = sum(nproc * tokens_per_rank_step * len(steps[warmup:]) / sum(s["total"] for s in steps[warmup:])
-               for nproc, steps in jobs)  # fmt: skip
-    kept = [s for _, steps in jobs for s in steps[warmup:]]
+               for nproc, steps in launches)  # fmt: skip
+    kept = [s for _, steps in launches for s in steps[warmup:]]
     phases = {p: statistics.mean(s[p] for s in kept) * 1000 for p in (*PHASES, "total", "cpu")}
     phases["collectives"] = statistics.mean(s["collectives"] for s in kept)  # a count, not ms
     return {"tokens_per_s": rate, "ms_per_step": phases}
@@ -380,6 +396,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--sync-steps", type=int, default=8, help="H for fedshard and handwritten")
+    parser.add_argument("--num-groups", type=int, default=2, help="federation groups (1: no averaging)")
+    parser.add_argument("--group-size", type=int, default=2, help="ranks per group (FSDP2 shards over them)")
+    parser.add_argument("--pin", action="store_true", help="pin each rank to a core of its own")
     parser.add_argument("--logging-steps", type=int, default=10, help="logging_steps of every method")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--timeout-s", type=float, default=600)
@@ -389,15 +408,26 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--record", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--num-samples", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--first-core", type=int, default=0, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
-    opts.out = opts.out or results_folder("overhead", opts.quick)
+    world = opts.num_groups * opts.group_size
+    if opts.pin and world > len(os.sched_getaffinity(0)):
+        parser.error(f"--pin needs a core per rank: {world} ranks, {len(os.sched_getaffinity(0))} cores; "
+                     "lower --num-groups or --group-size")  # fmt: skip
+    if opts.group_size < 2:
+        parser.error("--group-size must be at least 2: plain Trainer only turns FSDP on with 2 ranks or more")
+    layout = None if (opts.num_groups, opts.group_size) == (2, 2) else f"{opts.num_groups}x{opts.group_size}"
+    variant = "_".join(v for v in (layout, "pinned" if opts.pin else None) if v) or None
+    opts.out = opts.out or results_folder("overhead", opts.quick, variant)
     opts.reps = opts.reps or (2 if opts.quick else 3)
     opts.steps = opts.steps or (24 if opts.quick else 48)
     opts.model_size = opts.model_size or ("micro" if opts.quick else "tiny")
-    opts.num_samples = opts.num_samples or opts.steps * opts.batch_size * 4
+    opts.num_samples = opts.num_samples or opts.steps * opts.batch_size * world
     opts.worker_args = ["--steps", str(opts.steps), "--model-size", opts.model_size, "--batch-size",
                         str(opts.batch_size), "--seq-len", str(opts.seq_len), "--sync-steps", str(opts.sync_steps),
-                        "--logging-steps", str(opts.logging_steps), "--num-samples", str(opts.num_samples)]  # fmt: skip
+                        "--logging-steps", str(opts.logging_steps), "--num-samples", str(opts.num_samples),
+                        "--num-groups", str(opts.num_groups), "--group-size", str(opts.group_size),
+                        *(["--pin"] if opts.pin else [])]  # fmt: skip
     return opts
 
 

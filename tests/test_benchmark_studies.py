@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from transformers import TrainerControl, TrainerState
 
-from benchmarks import goodput, overlap, quality, scaling
+from benchmarks import goodput, overhead, overlap, quality, scaling
 from benchmarks import layout_change as lc
 from benchmarks import stream_quality as sq
 from benchmarks import time_to_quality as ttq
@@ -121,6 +121,22 @@ def test_study_help(study):
     proc = subprocess.run([sys.executable, REPO / "benchmarks" / f"{study}.py", "--help"], cwd=REPO.parent, env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_overhead_pins_a_core_per_rank_and_runs_trainer_as_a_job_per_group(monkeypatch, capsys):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # CI's 2 cores, on any machine
+    pinned = overhead.parse(["--num-groups", "1", "--pin"])
+    assert pinned.out == RESULTS / "overhead_full_1x2_pinned" and pinned.num_samples == 48 * 4 * 2
+    assert overhead.jobs(pinned, "trainer") == [(2, "trainer0", 0)] and pinned.worker_args[-1] == "--pin"
+    default = overhead.parse([])
+    assert default.out == RESULTS / "overhead_full" and "--pin" not in default.worker_args
+    assert overhead.jobs(default, "trainer") == [(2, "trainer0", 0), (2, "trainer1", 2)]
+    assert overhead.jobs(default, "fedshard") == [(4, "fedshard", 0)]
+    for argv, message in ((["--pin"], "--pin needs a core per rank: 4 ranks, 2 cores"),
+                          (["--group-size", "1"], "--group-size must be at least 2")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            overhead.parse(argv)
+        assert message in capsys.readouterr().err
 
 
 THREE_TIER = {"nodes": 4, "ranks_per_node": 2, "racks": 2, "rate_mbit": 1000.0, "rack_rate_mbit": 100.0,
