@@ -138,10 +138,17 @@ def train_groups(
 
 
 def start_group(
-    group: int, num_groups: int, nproc: int, out_dir: Path, args: list[str], address: str, max_restarts: int = 0
+    group: int,
+    num_groups: int,
+    nproc: int,
+    out_dir: Path,
+    args: list[str],
+    address: str,
+    max_restarts: int = 0,
+    preloaded: bool = True,
 ) -> subprocess.Popen:
     """Start group ``group`` of a torchft federation running tests/scripts/train_tiny.py (dumps in ``dump{G}``)."""
     elastic = ["--fed_transport", "torchft", "--fed_lighthouse", address, "--fed_group_id", group,
                "--fed_num_groups", num_groups]  # fmt: skip
     script_args = ["--output_dir", out_dir, "--dump_dir", out_dir / f"dump{group}", *SGD, *elastic, *args]
-    return start_torchrun(nproc, SCRIPTS / "train_tiny.py", script_args, max_restarts)
+    return start_torchrun(nproc, SCRIPTS / "train_tiny.py", script_args, max_restarts, preloaded)

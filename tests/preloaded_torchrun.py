@@ -4,8 +4,9 @@ Every check script imports the same libraries, about 12 CPU-seconds per rank on 
 started, most of the suite's time. Here they are imported once per launch. The agent, rendezvous, restarts and
 failure reports are torchrun's own (`torch.distributed.run.main`); only the worker start differs
 (``--run-path --start-method fork``), and each worker runs its script as ``python script.py`` would: the
-script's folder first on ``sys.path``, default signal handlers, and the atexit hooks at the end (with
-``sys.last_value`` set first on an uncaught exception, as the interpreter does). A check that needs a fresh
+script's folder first on ``sys.path``, default signal handlers, an uncaught exception printed and exit status 1
+(not torchrun's error file, which only the first failed rank's report would show), and the atexit hooks at the end
+(with ``sys.last_value`` set first on an uncaught exception, as the interpreter does). A check that needs a fresh
 interpreter's own exit (tests/scripts/gloo_exit.py) is launched with plain torchrun instead.
 
     python tests/preloaded_torchrun.py --standalone --nproc_per_node 4 /abs/path/script.py --arg value
@@ -34,10 +35,12 @@ def run_script(path: str, *args: str) -> None:
     sys.path[0] = os.path.dirname(path)
     try:
         runpy.run_path(path, run_name="__main__")
-    except BaseException as exc:
-        if not isinstance(exc, SystemExit):
-            sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+    except SystemExit:
         raise
+    except BaseException as exc:  # printed by every rank, then exit status 1, as the interpreter does
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        raise SystemExit(1) from None
     finally:
         atexit._run_exitfuncs()  # a forked worker leaves through os._exit, which skips them
 
