@@ -414,7 +414,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if opts.pin and world > len(os.sched_getaffinity(0)):
         parser.error(f"--pin needs a core per rank: {world} ranks, {len(os.sched_getaffinity(0))} cores; "
                      "lower --num-groups or --group-size")  # fmt: skip
-    if opts.group_size < 2 and "trainer" in opts.methods:
+    if opts.group_size < 2 and "trainer" in opts.methods and not opts.worker:
         parser.error("--group-size 1 leaves trainer out (plain Trainer turns FSDP on with 2 ranks or more): "
                      "add --methods without it")  # fmt: skip
     layout = None if (opts.num_groups, opts.group_size) == (2, 2) else f"{opts.num_groups}x{opts.group_size}"
