@@ -14,7 +14,9 @@ AdamW hyperparameters, gradient clipping, constant learning rate and number of o
 - ``handwritten``: a minimal FSDP2 + FedAvg loop (`fully_shard` per decoder layer and the root on the group's
   mesh, `torch.optim.AdamW`, an all-reduce of the local shards along ``fed`` every H steps). Accelerate also gives
   the input embedding and the output head (with the final norm, kept gathered) units of their own, so the
-  Trainer-based methods issue three collectives per step more: the count column shows it.
+  Trainer-based methods issue three collectives per step more: the count column shows it;
+- ``engine``: the same loop with hf_fedshard's `FederatedAverager` doing the averaging (README's plain loop:
+  FedAvg, fp32), in place of the bare all-reduce.
 
 Each optimizer step is cut into phases from timestamps taken on rank 0: data (fetching the batch), forward,
 backward, optimizer (clipping, step, zero_grad, LR scheduler), averaging, and other (callbacks, logging and
@@ -57,7 +59,7 @@ from benchmarks.harness import results_folder  # noqa: E402
 from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
 from benchmarks.harness.methods import busy_cpu_s, others_cpu  # noqa: E402
 
-METHODS = ("fedshard", "fedshard_no_reshard", "trainer", "handwritten")
+METHODS = ("fedshard", "fedshard_no_reshard", "trainer", "handwritten", "engine")
 PHASES = ("data", "forward", "backward", "optimizer", "averaging", "other")
 VOCAB = 8192
 LR, WEIGHT_DECAY, MAX_GRAD_NORM, SEED = 3e-4, 0.0, 1.0, 0
@@ -237,7 +239,8 @@ def trainer_worker(opts: argparse.Namespace) -> list[dict]:
 
 
 def handwritten_worker(opts: argparse.Namespace) -> list[dict]:
-    """FSDP2 in groups and FedAvg of the local shards every H steps, with nothing else around it."""
+    """FSDP2 in groups and FedAvg of the local shards every H steps, with nothing else around it (``engine``:
+    `FederatedAverager` averages, on the mesh `FederationLayout` builds)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -247,16 +250,26 @@ def handwritten_worker(opts: argparse.Namespace) -> list[dict]:
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (opts.num_groups, opts.group_size), mesh_dim_names=("fed", "dp_shard"))
+    if opts.method == "engine":
+        from hf_fedshard import FederatedAverager, FederationLayout
+
+        mesh = FederationLayout(world, group_size=opts.group_size).build_mesh("cpu")
+        group_mesh = mesh["dp_replicate", "dp_shard"]
+    else:
+        mesh = init_device_mesh("cpu", (opts.num_groups, opts.group_size), mesh_dim_names=("fed", "dp_shard"))
+        group_mesh = mesh["dp_shard"]
     model = build_model(opts.model_size, opts.seq_len)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp_shard"])
-    fully_shard(model, mesh=mesh["dp_shard"])
+        fully_shard(layer, mesh=group_mesh)
+    fully_shard(model, mesh=group_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    averager = (
+        FederatedAverager(model, optimizer, mesh, sync_steps=opts.sync_steps) if opts.method == "engine" else None
+    )
     data = random_blocks(opts.num_samples, opts.seq_len)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
     loader = DataLoader(data, batch_size=opts.batch_size, sampler=sampler, collate_fn=default_data_collator)
-    fed_group = mesh.get_group("fed")
+    fed_group = None if averager is not None else mesh.get_group("fed")
     timeline, batches = Timeline(), iter(loader)
     timeline._last_end, timeline._last_cpu = time.perf_counter(), time.process_time()
     model.train()
@@ -271,7 +284,10 @@ def handwritten_worker(opts: argparse.Namespace) -> list[dict]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
             optimizer.step()
             optimizer.zero_grad()
-        if opts.num_groups > 1 and (step % opts.sync_steps == 0 or step == opts.steps):
+        if averager is not None:
+            with timeline.timed("averaging"):
+                averager.step(last=step == opts.steps)
+        elif opts.num_groups > 1 and (step % opts.sync_steps == 0 or step == opts.steps):
             with timeline.timed("averaging"), torch.no_grad():
                 shards = [p.to_local() for p in model.parameters()]
                 flat = torch.cat([s.reshape(-1) for s in shards])
@@ -292,7 +308,7 @@ def handwritten_worker(opts: argparse.Namespace) -> list[dict]:
 def worker(opts: argparse.Namespace) -> None:
     if opts.pin:
         os.sched_setaffinity(0, {opts.first_core + int(os.environ["LOCAL_RANK"])})
-    steps = handwritten_worker(opts) if opts.method == "handwritten" else trainer_worker(opts)
+    steps = handwritten_worker(opts) if opts.method in ("handwritten", "engine") else trainer_worker(opts)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(opts.record).write_text(json.dumps(steps))
 
@@ -359,8 +375,8 @@ def report(results: dict[str, list[dict]]) -> str:
     for method, runs in results.items():
         phase_ms = [statistics.median(r["ms_per_step"][p] for r in runs) for p in columns]
         rate, low, high = med[method]
-        ratio = rate / med["trainer"][0] if "trainer" in med else float("nan")
-        lines.append(f"| {method} | {rate:,.0f} ({low:,.0f}–{high:,.0f}) | {ratio:.3f} | "
+        ratio = f"{rate / med['trainer'][0]:.3f}" if "trainer" in med else "—"
+        lines.append(f"| {method} | {rate:,.0f} ({low:,.0f}–{high:,.0f}) | {ratio} | "
                      + " | ".join(f"{v:.1f}" for v in phase_ms) + " |")  # fmt: skip
     if "fedshard" in results and "trainer" in results:
         own = [r["ms_per_step"]["total"] - r["ms_per_step"]["averaging"] for r in results["fedshard"]]
@@ -368,13 +384,14 @@ def report(results: dict[str, list[dict]]) -> str:
         cost = statistics.median(own) / statistics.median(base) - 1
         lines.append(f"\nhf_fedshard's own cost over Trainer + FSDP2 (step time less averaging): {cost:+.1%} "
                      f"(target ≤ +3%: {'met' if cost <= 0.03 else 'missed'})")  # fmt: skip
-    for method in ("fedshard", "fedshard_no_reshard"):
-        if "handwritten" in results and method in results:
-            rate, low, high = paired(results, "handwritten", method, "tokens_per_s")
-            cpu = paired(results, method, "handwritten", "cpu")
-            lines.append(f"Hand-written loop vs {method}: {rate - 1:+.1%} ({low - 1:+.1%} to {high - 1:+.1%}) tokens/s "
-                         f"(target ≤ +5%: {'met' if rate <= 1.05 else 'missed'}); {method}'s CPU time per step "
-                         f"{cpu[0]:.3f}× ({cpu[1]:.3f}–{cpu[2]:.3f}) the loop's")  # fmt: skip
+    for loop, name in (("handwritten", "Hand-written loop"), ("engine", "Plain loop with FederatedAverager")):
+        for method in ("fedshard", "fedshard_no_reshard"):
+            if loop in results and method in results:
+                rate, low, high = paired(results, loop, method, "tokens_per_s")
+                cpu = paired(results, method, loop, "cpu")
+                lines.append(f"{name} vs {method}: {rate - 1:+.1%} ({low - 1:+.1%} to {high - 1:+.1%}) tokens/s "
+                             f"(target ≤ +5%: {'met' if rate <= 1.05 else 'missed'}); {method}'s CPU time per step "
+                             f"{cpu[0]:.3f}× ({cpu[1]:.3f}–{cpu[2]:.3f}) the loop's")  # fmt: skip
     busy = ", ".join(f"{m} {statistics.median(r['other_processes_cores'] for r in runs):.2f}"
                      for m, runs in results.items() if all("other_processes_cores" in r for r in runs))  # fmt: skip
     if busy:
