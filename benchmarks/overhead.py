@@ -31,10 +31,12 @@ is taken in each repetition (they ran back to back) before its median. Run it al
     python benchmarks/overhead.py                 # tiny preset, 48 steps, 3 repetitions (about 8 minutes)
     python benchmarks/overhead.py --quick         # micro preset, 24 steps, 2 repetitions (about 3 minutes)
 
-Four ranks on 2 cores wait for each other's turn on a core, and that moves a step by ±15–20% between runs. With
-``--num-groups 1 --pin`` a single group of 2 ranks trains, each rank pinned to a core of its own (``trainer``:
-one job; ``fedshard``: one group, which never averages): the loop's own cost without the wait for a core.
+Four ranks on 2 cores wait for each other's turn on a core, and that moves a step by ±15–20% between runs.
+``--pin`` gives each rank a core of its own: ``--group-size 1`` (2 groups of one rank, no FSDP collective: the
+loop and the averaging alone; without ``trainer``, which needs 2 ranks for FSDP) or ``--num-groups 1`` (one group
+of 2 ranks, which never averages):
 
+    python benchmarks/overhead.py --group-size 1 --pin --reps 6 --methods fedshard handwritten engine
     python benchmarks/overhead.py --num-groups 1 --pin --reps 6
 """
 
