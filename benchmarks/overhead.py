@@ -309,7 +309,8 @@ def handwritten_worker(opts: argparse.Namespace) -> list[dict]:
 
 def worker(opts: argparse.Namespace) -> None:
     if opts.pin:
-        os.sched_setaffinity(0, {opts.first_core + int(os.environ["LOCAL_RANK"])})
+        cores = sorted(os.sched_getaffinity(0))  # the cores this process may use, not always 0..N-1
+        os.sched_setaffinity(0, {cores[opts.first_core + int(os.environ["LOCAL_RANK"])]})
     steps = handwritten_worker(opts) if opts.method in ("handwritten", "engine") else trainer_worker(opts)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(opts.record).write_text(json.dumps(steps))

@@ -6,8 +6,10 @@ failure reports are torchrun's own (`torch.distributed.run.main`); only the work
 (``--run-path --start-method fork``), and each worker runs its script as ``python script.py`` would: the
 script's folder first on ``sys.path``, default signal handlers, an uncaught exception printed and exit status 1
 (not torchrun's error file, which only the first failed rank's report would show), and the atexit hooks at the end
-(with ``sys.last_value`` set first on an uncaught exception, as the interpreter does). A check that needs a fresh
-interpreter's own exit (tests/scripts/gloo_exit.py) is launched with plain torchrun instead.
+after the threads are joined (with ``sys.last_value`` set first on an uncaught exception, as the interpreter does).
+What a fork cannot give: every rank shares the launcher's string-hash seed (set and dict orders of strings agree
+across ranks, where a real launch could disagree). A check that needs a fresh interpreter's own exit
+(tests/scripts/gloo_exit.py) or a restart's real start-up time is launched with plain torchrun instead.
 
     python tests/preloaded_torchrun.py --standalone --nproc_per_node 4 /abs/path/script.py --arg value
 """
@@ -19,6 +21,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 
 import torch.distributed.run
 from accelerate import Accelerator  # noqa: F401 (preloaded for the workers)
@@ -29,8 +32,11 @@ import hf_fedshard.integrations.trainer  # noqa: F401 (preloaded for the workers
 
 def run_script(path: str, *args: str) -> None:
     """Run ``path`` with ``args`` in this (forked) worker as ``python path args`` would."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the agent's handlers are inherited by a fork
+    for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(","):
+        signal.signal(getattr(signal, name.strip()), signal.SIG_DFL)  # the agent's handlers, inherited by the fork
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # a fresh interpreter's numpy starts from fresh entropy
     sys.argv = [path, *args]
     sys.path[0] = os.path.dirname(path)
     try:
@@ -41,8 +47,9 @@ def run_script(path: str, *args: str) -> None:
         sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
         sys.excepthook(type(exc), exc, exc.__traceback__)
         raise SystemExit(1) from None
-    finally:
-        atexit._run_exitfuncs()  # a forked worker leaves through os._exit, which skips them
+    finally:  # a forked worker leaves through os._exit: join the threads, then the atexit hooks, as python does
+        threading._shutdown()
+        atexit._run_exitfuncs()
 
 
 if __name__ == "__main__":
