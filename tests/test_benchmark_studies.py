@@ -133,9 +133,8 @@ def test_overhead_pins_a_core_per_rank_and_runs_trainer_as_a_job_per_group(monke
     assert overhead.jobs(default, "trainer") == [(2, "trainer0", 0), (2, "trainer1", 2)]
     assert overhead.jobs(default, "fedshard") == [(4, "fedshard", 0)]
     ones = overhead.parse(["--group-size", "1", "--pin", "--methods", "fedshard", "handwritten"])
-    assert ones.out == RESULTS / "overhead_full_2x1_pinned" and overhead.jobs(ones, "handwritten") == [
-        (2, "handwritten", 0)
-    ]
+    assert ones.out == RESULTS / "overhead_full_2x1_pinned"
+    assert overhead.jobs(ones, "handwritten") == [(2, "handwritten", 0)]
     for argv, message in ((["--pin"], "--pin needs a core per rank: 4 ranks, 2 cores"),
                           (["--group-size", "1"], "--group-size 1 leaves trainer out")):  # fmt: skip
         with pytest.raises(SystemExit):
