@@ -1,6 +1,6 @@
 # Two commands from a fresh clone (see README.md): `make quickstart` and `make test` (every test, as CI runs it).
-# `make test-fast` runs the unit and in-process tests only (`pytest -m "not slow"`: no multi-process run), in under
-# 2 minutes on 2 cores, while you work.
+# `make test-fast` runs tests/unit only (in-process, fake communicators: no launch), while you work.
+# tests/distributed launches ranks; tests/studies runs the benchmark scripts end to end.
 # Each installs what it needs first: torch (pinned, installed before the project so that pip does not pick
 # another build), the project, and the two corpora packages whose old declared dependencies are skipped.
 
@@ -37,6 +37,5 @@ elastic-demo: install
 test: install-dev
 	$(PYTHON) -m pytest -q
 
-# The `slow` marker (pyproject.toml) holds the multi-process runs; `make test` runs them too.
 test-fast: install-dev
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q tests/unit

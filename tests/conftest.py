@@ -1,5 +1,10 @@
 """Fixtures shared by the tests: in-process settings, and multi-process runs that several test files assert on
-(each launched once per session: a 4-rank launch costs about 45 CPU-seconds, most of it the ranks' start-up)."""
+(each launched once per session: a 4-rank launch costs about 15 CPU-seconds, most of it the ranks' start-up).
+
+The suite is laid out by cost: ``tests/unit/`` runs in this process (fake communicators, pure functions; `make
+test-fast`), ``tests/distributed/`` launches ranks (torchrun, ``accelerate launch``, a torchft lighthouse), and
+``tests/studies/`` runs the benchmark scripts end to end at their smallest honest size. `make test` runs all three.
+"""
 
 from __future__ import annotations
 
@@ -31,3 +36,21 @@ def ddp_4_ranks(tmp_path_factory):
     return train_tiny(
         4, tmp_path_factory.mktemp("ddp"), ["--trainer", "plain", "--use_cpu", "true", "--max_steps", "3"]
     )
+
+
+# ---- The suite's budget: CI's log shows where the time goes ----
+
+_seconds_by_folder: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add each test's setup, call and teardown time to its folder (a session fixture counts where it is built)."""
+    folder = report.nodeid.split("/")[1] if report.nodeid.startswith("tests/") else "other"
+    _seconds_by_folder[folder] = _seconds_by_folder.get(folder, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Print the seconds per folder (unit, distributed, studies): the suite's budget is 30 minutes on CI's 2 cores."""
+    if _seconds_by_folder:
+        parts = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in sorted(_seconds_by_folder.items()))
+        terminalreporter.write_line(f"time per folder: {parts} (budget: 1,800 s in all on CI's 2 cores)")

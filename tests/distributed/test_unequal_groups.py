@@ -15,11 +15,11 @@ from collections import Counter
 import pytest
 import torch
 
-from .asserts import labelled
-from .launch import train_tiny
+from ..asserts import labelled
+from ..launch import train_tiny
 from .test_reliability import read_dcp
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 SIZES = ["--fed_group_size", "2,1,1"]
 WEIGHTS = {0: 2, 2: 1, 3: 1}  # one rank of each group (rank 0 for group 0): its weight, its ranks

@@ -14,7 +14,7 @@ from hf_fedshard.engine import payload
 from hf_fedshard.engine.codec import alignment, decode, encode
 from hf_fedshard.engine.exchange import Exchange
 
-from .fake_communicator import run_ranks, run_split
+from ..fake_communicator import run_ranks, run_split
 
 SHAPES = [(7, 13), (300,), (3, 200)]  # 991 values: int8 blocks straddle tensors and the last one is padded
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .asserts import labelled
-from .launch import train_tiny
+from ..asserts import labelled
+from ..launch import train_tiny
 from .test_pseudograd_distributed import peer
 from .test_reliability import ADAMW, assert_same_run
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 STREAM = ["--fed_group_size", "2", "--fed_outer_optimizer", "nesterov", "--fed_sync_steps", "4",
           "--fed_sync_fragments", "2", "--fed_sync_overlap", "1", "--max_steps", "12", *ADAMW]  # fmt: skip

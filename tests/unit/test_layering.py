@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .launch import REPO
+from ..launch import REPO
 
 PACKAGE = REPO / "hf_fedshard"
 

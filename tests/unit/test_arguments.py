@@ -11,7 +11,7 @@ from transformers import HfArgumentParser
 from hf_fedshard import FederatedParallelismConfig, FederationLayout, FedShardTrainingArguments
 from hf_fedshard.integrations.fsdp import parallelism_config
 
-from .launch import REPO
+from ..launch import REPO
 
 
 @pytest.mark.parametrize(

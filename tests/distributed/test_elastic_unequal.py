@@ -1,11 +1,8 @@
-"""Groups of unequal size under ``fed_transport torchft``: every launch names every group's size
-(``--fed_group_size 2,1``) and the averaging runs over one process group of every rank of the quorum.
-
-In process (fast): the settings' refusals. Multi-process (torchrun launches of 2 and 1 ranks + a lighthouse, gloo,
-real FSDP2): the federation equals the one-job mesh transport with ``--fed_group_size 2,1`` to the bit (samples,
-eval loss, final weights), FL+FSDP with fp32 FedAvg and FL+HSDP with Nesterov and int8; a killed group, restarted
-by its launcher, heals from a group of another size while that one goes on.
-"""
+"""Groups of unequal size under ``fed_transport torchft``, with real launches (torchrun launches of 2 and 1 ranks + a
+lighthouse, gloo, real FSDP2): the federation equals the one-job mesh transport with ``--fed_group_size 2,1`` to the
+bit (samples, eval loss, final weights), FL+FSDP with fp32 FedAvg and FL+HSDP with Nesterov and int8; a killed
+group, restarted by its launcher, heals from a group of another size while that one goes on. The settings'
+refusals are tests/unit/test_elastic_unequal.py."""
 
 from __future__ import annotations
 
@@ -15,44 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_fedshard.errors import ConfigError
-
-from .asserts import labelled
-from .launch import SCRIPTS, SGD, finish, lighthouse, start_torchrun, train_tiny
-from .test_elastic import ELASTIC, parse
-
-# ---- Settings ----
-
-
-@pytest.mark.parametrize(
-    ("world", "extra", "message"),
-    [
-        (2, ["--fed_group_size", "2,1", "--fed_group_id", "0", "--fed_num_groups", "3"],
-         r"^fed_group_size=2,1 names 2 groups but fed_num_groups=3"),
-        (1, ["--fed_group_size", "2,1", "--fed_group_id", "0", "--fed_num_groups", "2"],
-         r"^fed_group_size=2,1 gives fed_group0 2 ranks, but this launch has WORLD_SIZE=1"),
-        (4, ["--fed_group_size", "4,2,2", "--fed_shard_size", "4", "--fed_group_id", "0", "--fed_num_groups", "3"],
-         r"^fed_group_size=4,2,2: fed_shard_size=4 must divide every group's size"),
-    ],
-)  # fmt: skip
-def test_unequal_torchft_settings_are_refused_in_one_line(world, extra, message, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    with pytest.raises(ConfigError, match=message) as caught:
-        parse([*ELASTIC, *extra])
-    assert "\n" not in str(caught.value)
-
-
-def test_an_unequal_torchft_group_reads_its_slice_of_the_nominal_world(monkeypatch, tmp_path):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    args = parse([*ELASTIC, "--fed_group_size", "2,1,2", "--fed_shard_size", "1", "--fed_group_id", "1",
-                  "--fed_num_groups", "3", "--output_dir", str(tmp_path)])  # fmt: skip
-    nominal, launch = args.fed_layout, args.fed_launch_layout
-    assert (nominal.world_size, nominal.group_sizes, nominal.first_rank(2)) == (5, (2, 1, 2), 3)
-    assert (launch.world_size, launch.num_groups, launch.replicas) == (1, 1, 1)
-    assert nominal.method == "FL+HSDP"
-
-
-# ---- Separate launches of unequal size (torchrun + lighthouse) ----
+from ..asserts import labelled
+from ..launch import SCRIPTS, SGD, finish, lighthouse, start_torchrun, train_tiny
 
 SIZES = (2, 1)
 TINY = ["--num_samples", "128", "--fed_group_size", ",".join(map(str, SIZES))]
@@ -79,7 +40,6 @@ def train_unequal_groups(out_dir: Path, args: list[str], address: str) -> list[l
     ]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "extra",
@@ -116,7 +76,6 @@ def replica_models(dumps: list[dict], shards: int) -> list[dict[str, torch.Tenso
             for ranks in replicas]  # fmt: skip
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("killed", "hsdp"),

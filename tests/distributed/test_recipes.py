@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .launch import REPO
+from ..launch import REPO
 
 RECIPES = REPO / "recipes"
 CONFIGS = REPO / "accelerate_configs"
@@ -46,7 +46,6 @@ def pretrained(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pretrain_writes_model_tokenizer_card_and_plot(pretrained):
     from huggingface_hub import ModelCard
@@ -72,7 +71,6 @@ def test_pretrain_writes_model_tokenizer_card_and_plot(pretrained):
     assert not [p for p in pretrained.iterdir() if p.name.startswith("checkpoint")]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_lora_sends_only_adapter_bytes(pretrained, tmp_path):
     out = tmp_path / "lora"
@@ -90,7 +88,6 @@ def test_lora_sends_only_adapter_bytes(pretrained, tmp_path):
     assert (out / "adapter_model.safetensors").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sft_recipe_with_lora(pretrained, tmp_path):
     out = tmp_path / "sft"

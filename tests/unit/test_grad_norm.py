@@ -9,7 +9,7 @@ from transformers import Trainer, TrainingArguments
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
 
-from .scripts.train_tiny import TokenDataset, tiny_llama
+from ..scripts.train_tiny import TokenDataset, tiny_llama
 
 STEPS = 5
 

@@ -20,10 +20,10 @@ from transformers import LlamaForCausalLM
 from hf_fedshard.checkpointing.checkpoint import latest_complete_checkpoint
 from hf_fedshard.checkpointing.manifest import checksum_problem, describe_files, read_manifest
 
-from .asserts import labelled
-from .launch import SCRIPTS, SGD, torchrun, train_tiny
+from ..asserts import labelled
+from ..launch import SCRIPTS, SGD, torchrun, train_tiny
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 SCRIPT = SCRIPTS / "train_tiny.py"
 ADAMW = ["--optim", "adamw_torch", "--learning_rate", "0.01", "--lr_scheduler_type", "linear", "--warmup_steps", "0",

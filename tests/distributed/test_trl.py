@@ -1,74 +1,18 @@
-"""hf_fedshard with TRL's SFTTrainer and with a user's own Trainer subclass.
-
-Fast in-process checks of the composition (base order, overrides that still run, the ImportError without TRL),
-and multi-process gloo runs of FedShardSFTTrainer next to SFTTrainer (tests/scripts/train_sft.py).
-"""
+"""hf_fedshard with TRL's SFTTrainer on 4 gloo ranks: FedShardSFTTrainer next to SFTTrainer
+(tests/scripts/train_sft.py), the metric gathers inside a group, and LoRA through SFTTrainer's peft_config. The
+composition checks (base order, overrides that still run, the ImportError without TRL) are tests/unit/test_trl.py."""
 
 from __future__ import annotations
 
-import importlib
-import math
-import sys
-
 import pytest
 import torch
-from transformers import Trainer
 
-from hf_fedshard import FedShardMixin, FedShardTrainingArguments
-
-from .asserts import labelled
-from .launch import SCRIPTS, SGD, torchrun
-from .scripts.train_tiny import TokenDataset, tiny_llama
+from ..asserts import labelled
+from ..launch import SCRIPTS, SGD, torchrun
 
 pytest.importorskip("trl")
 
 SFT_SGD = [*SGD, "--bf16", "false"]  # SFTConfig turns bf16 on by default; DDP equality needs fp32 everywhere
-
-
-class CountingTrainer(Trainer):
-    """A user's own Trainer subclass that overrides compute_loss."""
-
-    calls = 0
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        self.calls += 1
-        return super().compute_loss(model, inputs, *args, **kwargs)
-
-
-class FedCountingTrainer(CountingTrainer, FedShardMixin):
-    """The one line that gives the user's trainer the federation."""
-
-
-def test_mixin_composes_with_a_subclass_that_overrides_compute_loss(tmp_path):
-    assert FedCountingTrainer.__mro__[:4] == (FedCountingTrainer, CountingTrainer, FedShardMixin, Trainer)
-    args = FedShardTrainingArguments(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, logging_steps=1, report_to="none",
-        disable_tqdm=True, use_cpu=True,
-    )  # fmt: skip
-    trainer = FedCountingTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(8))
-    trainer.train()
-    assert trainer.calls == 2  # the subclass's override ran at every step
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert logs and all(h["perplexity"] == pytest.approx(math.exp(h["loss"])) for h in logs)  # and the mixin's
-
-
-def test_sft_trainer_base_order_keeps_trl_overrides_first():
-    from trl import SFTTrainer
-
-    from hf_fedshard.trl import FedShardSFTConfig, FedShardSFTTrainer
-
-    mro = FedShardSFTTrainer.__mro__
-    assert mro.index(SFTTrainer) < mro.index(FedShardMixin) < mro.index(Trainer)
-    for method in ("_save_checkpoint", "compute_loss", "training_step"):  # TRL's own, reaching the mixin by super()
-        assert getattr(FedShardSFTTrainer, method) is getattr(SFTTrainer, method)
-    assert FedShardSFTConfig.__mro__[1].__name__ == "FedShardArgumentsMixin"
-
-
-def test_clear_import_error_without_trl(monkeypatch):
-    monkeypatch.setitem(sys.modules, "trl", None)  # import trl now raises ImportError
-    monkeypatch.delitem(sys.modules, "hf_fedshard.trl", raising=False)
-    with pytest.raises(ImportError, match=r'pip install "hf_fedshard\[trl\]"'):
-        importlib.import_module("hf_fedshard.trl")
 
 
 def run_sft(nproc: int, out, args: list[str], timeout_s: float = 300) -> list[dict]:
@@ -97,7 +41,6 @@ def sft_lora(tmp_path_factory):
     return out, run_sft(4, out, args)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fed_sft_with_h1_equals_sft_trainer_under_ddp(sft_exactness):
     fed, ddp = sft_exactness
@@ -113,7 +56,6 @@ def test_fed_sft_with_h1_equals_sft_trainer_under_ddp(sft_exactness):
         assert [rank["eval"]["eval_num_tokens"] for rank in run] == [4 * 2 * 16 * 3] * 4  # and the evaluation's
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sft_metric_gathers_stay_inside_the_group(sft_exactness, sft_lora):
     _, ddp = sft_exactness
@@ -130,7 +72,6 @@ def test_sft_metric_gathers_stay_inside_the_group(sft_exactness, sft_lora):
         assert rank["engine_calls"] == {0: 1, 4: 4}
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_lora_through_sft_averages_only_the_adapter(sft_lora):
     out, lora = sft_lora

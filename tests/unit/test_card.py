@@ -13,7 +13,7 @@ from transformers import TrainerState, TrainingArguments
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
 from hf_fedshard.integrations.card import card_section, results_table
 
-from .scripts.train_tiny import TokenDataset, tiny_llama
+from ..scripts.train_tiny import TokenDataset, tiny_llama
 
 
 def test_card_of_a_run_without_federation(tmp_path):

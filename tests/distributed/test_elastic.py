@@ -1,168 +1,22 @@
-"""``fed_transport torchft``: groups as separate launches that die and join between averagings.
+"""``fed_transport torchft`` with real launches (torchrun + a lighthouse, gloo).
 
-In process (fast): the settings' refusals, and the engine's rounds on fake communicators with a fake membership
-(a round that does not commit is redone and changes nothing; a group that lost a round the others committed takes a
-peer's state and ends on the rule's value). Multi-process (torchrun launches + a lighthouse, gloo): the transport
-equals the one-job mesh to the bit; a killed group leaves, the others average among themselves without restarting,
-and the group, restarted by its launcher, heals and rejoins, reading its own data from the step it healed at.
+The transport equals the one-job mesh to the bit; a killed group leaves, the others average among themselves
+without restarting, and the group, restarted by its launcher, heals and rejoins, reading its own data from the step
+it healed at; bad federations and a lost lighthouse end every rank in one line. The in-process half (settings, the
+engine's rounds on a fake membership) is tests/unit/test_elastic.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import threading
 import time
 
 import pytest
 import torch
 
-from hf_fedshard import FederatedAverager, FedShardTrainingArguments
-from hf_fedshard.engine.communicator import FederationCommunicator, Round
-from hf_fedshard.errors import ConfigError
-from hf_fedshard.integrations.card import quorum_rows
-
-from .asserts import labelled
-from .fake_communicator import BARRIER_TIMEOUT_S, run_federation
-from .launch import finish, lighthouse, start_group, train_groups, train_tiny
-from .test_engine import GROUPS, assert_groups_equal_reference, build, reference_for, train_step
-
-ELASTIC = ["--fed_transport", "torchft", "--fed_lighthouse", "http://localhost:1"]
-
-
-# ---- Settings ----
-
-
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (["--fed_group_id", "0", "--fed_num_groups", "2"], r"^fed_transport torchft needs fed_lighthouse"),
-        (["--fed_group_id", "2", "--fed_num_groups", "2"], r"^fed_group_id=2 must be in 0 … fed_num_groups - 1"),
-        (["--fed_group_id", "0", "--fed_num_groups", "2", "--fed_group_size", "2"], r"^fed_group_size=2 but this"),
-        (["--fed_group_id", "0", "--fed_num_groups", "2", "--eval_strategy", "steps", "--eval_steps", "6"],
-         r"^eval_steps=6 is not a multiple of fed_sync_steps=8"),
-        (["--fed_group_id", "0", "--fed_num_groups", "2", "--fed_sync_fragments", "2"],
-         r"^fed_sync_fragments/fed_sync_overlap stream"),
-        (["--fed_group_id", "0", "--fed_num_groups", "2", "--fed_eval_per_group", "true"],
-         r"^load_best_model_at_end and fed_eval_per_group"),
-    ],
-)  # fmt: skip
-def test_torchft_settings_are_refused_in_one_line(extra, message, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    argv = [*ELASTIC, *extra]
-    if "fed_lighthouse" in message:
-        argv = argv[:2] + argv[4:]
-    with pytest.raises(ConfigError, match=message) as caught:
-        parse(argv)
-    assert "\n" not in str(caught.value)
-
-
-def test_torchft_settings_without_torchft_are_refused():
-    with pytest.raises(ConfigError, match=r"^fed_group_id, fed_num_groups belong to fed_transport torchft"):
-        parse(["--fed_group_id", "0", "--fed_num_groups", "2"])
-
-
-def test_a_torchft_group_counts_the_federation_and_writes_in_a_folder_of_its_own(monkeypatch, tmp_path):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    args = parse([*ELASTIC, "--fed_group_id", "1", "--fed_num_groups", "3", "--output_dir", str(tmp_path)])
-    assert args.output_dir == os.path.join(tmp_path, "fed_group1")
-    assert (args.fed_layout.world_size, args.fed_layout.num_groups, args.fed_layout.method) == (3, 3, "FL+FSDP")
-    assert (args.fed_launch_layout.world_size, args.fed_launch_layout.num_groups) == (1, 1)
-    assert args.fed_group_index(0) == 1
-
-
-def parse(argv: list[str]) -> FedShardTrainingArguments:
-    from transformers import HfArgumentParser
-
-    (args,) = HfArgumentParser(FedShardTrainingArguments).parse_args_into_dataclasses(
-        ["--output_dir", "unused", "--report_to", "none", *argv]
-    )
-    return args
-
-
-# ---- The engine's rounds (in process) ----
-
-
-class FakeMembership:
-    """Rounds on fake communicators: the commits listed in ``fail`` return False (all groups: ``"all"``, or one
-    group, which then heals from group 0's `peer_state` published right after group 0 committed)."""
-
-    def __init__(self, shared: dict, group: int, fail: dict[int, str]) -> None:
-        self.shared, self.group, self.fail = shared, group, fail
-        self.averager: FederatedAverager | None = None
-        self.commits = self.rounds = 0
-
-    def commit(self) -> bool:
-        self.commits += 1
-        who = self.fail.get(self.commits)
-        return who is None or (who != "all" and int(who) != self.group)
-
-    def next_round(self) -> Round:
-        """Right after a round: group 0 publishes its state (as torchft sends it while the next quorum forms)."""
-        self.rounds += 1
-        who = self.fail.get(self.commits)
-        if who not in (None, "all") and self.group == 0:
-            self.shared["peer"] = self.averager.peer_state()
-            self.shared["published"].set()
-        if who not in (None, "all") and int(who) == self.group:
-            assert self.shared["published"].wait(BARRIER_TIMEOUT_S)
-            self.averager.load_peer_state(self.shared["peer"])
-            return Round(healed=True, changed=True)
-        return Round()
-
-    def metrics(self) -> dict[str, float]:
-        return {"fed_commits": self.commits}
-
-
-def elastic_run(steps: int, fail: dict[int, str], **options) -> list:
-    """`test_engine.engine_run` with a `FakeMembership` on every group's communicator."""
-    shared = {"published": threading.Event()}
-    options = {"sync_steps": 4, **options}
-
-    def rank_fn(comm: FederationCommunicator):
-        group = comm.group
-        membership = FakeMembership(shared, group, fail)
-        comm = FederationCommunicator(
-            peers=comm.peers, control=comm.control, exchange=comm.exchange, timeout=comm.timeout, membership=membership
-        )
-        model, optimizer = build(group)
-        membership.averager = averager = FederatedAverager(model, optimizer, communicator=comm, **options)
-        for step in range(1, steps + 1):
-            train_step(model, optimizer, group, step)
-            averager.step(last=step == steps)
-        return [t.detach().clone() for t in (*model.parameters(), model.stat)], averager, membership, comm
-
-    return run_federation(GROUPS, rank_fn)
-
-
-@pytest.mark.parametrize("outer", [{}, {"outer_optimizer": "nesterov"}], ids=["fedavg", "nesterov"])
-def test_a_round_that_does_not_commit_changes_nothing_and_is_redone(outer):
-    """Commit 3 (the averaging of step 8) fails everywhere: the engine redoes it (twice the collectives at step 8)
-    and ends on the rule's values, to the bit; applying a lost round would take the outer step twice."""
-    results = elastic_run(12, fail={3: "all"}, **outer)
-    assert_groups_equal_reference(results, reference_for(outer).run(12))
-    for _, averager, membership, comm in results:
-        assert membership.commits == 1 + 3 + 1  # step 0, steps 4, 8 (twice), 12
-        assert comm.exchange.calls == 3 + 1
-        assert averager.counters.syncs == 1 + 3
-
-
-def test_a_group_that_lost_a_round_the_others_committed_heals_from_a_peer():
-    """Commit 2 (step 4) fails in group 2 only: it takes group 0's state after that averaging and all groups end
-    on the rule's values, to the bit, with its own inner optimizer state kept."""
-    results = elastic_run(12, fail={2: "2"})
-    assert_groups_equal_reference(results, reference_for({}).run(12))
-    assert [r[2].rounds for r in results] == [1 + 3, 1 + 3, 1 + 3]
-    assert [r[1].counters.syncs for r in results] == [4, 4, 4]
-
-
-def test_metrics_carry_the_transports_own():
-    (_, averager, *_), *_ = elastic_run(4, fail={})
-    assert averager.metrics()["fed_commits"] == 2
-
-
-# ---- Separate launches (torchrun + lighthouse) ----
+from ..asserts import labelled
+from ..launch import finish, lighthouse, start_group, train_groups, train_tiny
 
 TINY = ["--num_samples", "128"]
 H4_10_STEPS = [*TINY, "--max_steps", "10", "--fed_sync_steps", "4"]
@@ -175,7 +29,6 @@ def one_job_h4(tmp_path_factory) -> list[dict]:
     return train_tiny(4, tmp_path_factory.mktemp("mesh"), [*H4_10_STEPS, "--fed_group_size", "2"])
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "extra",
@@ -211,7 +64,6 @@ def test_torchft_equals_the_one_job_mesh_to_the_bit(tmp_path, extra, request):
     assert [(a + b) / 2 for a, b in zip(*group_losses, strict=True)] == pytest.approx(one_job, rel=1e-6)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_killed_group_leaves_and_heals_back_while_the_others_go_on(tmp_path):
     """3 groups × 2 ranks, H = 4, 48 steps (two epochs). Group 1's rank 0 is SIGKILLed as step 6 begins; its
@@ -258,19 +110,9 @@ def test_a_killed_group_leaves_and_heals_back_while_the_others_go_on(tmp_path):
         assert dumps[1][r]["seen"] == tail, labelled(f"group 1 rank {r}: samples read after the heal at {healed_at}")
 
 
-def test_the_card_says_how_many_groups_took_part_and_the_heals():
-    history = [{"fed_groups_in_quorum": n, "fed_heals": h} for n, h in ((3, 0), (2, 0), (3, 1))]
-    rows = dict(quorum_rows(history, 4, history[-1]))
-    assert rows["Groups per averaging (fewest–most logged)"] == "2–3 of 4"
-    assert rows["Groups healed from a live peer"] == "1"
-
-
-# ---- Bad input and faults: one clear line within the timeout, every rank ends ----
-
 FAST = [*TINY, "--max_steps", "8", "--fed_sync_steps", "4", "--fed_timeout_s", "10"]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bad_federations_fail_every_rank_in_one_line_within_the_timeout(tmp_path):
     """Four federations at once (one rank per group, fed_timeout_s 10), each of which must fail on every rank:
@@ -302,7 +144,6 @@ def test_bad_federations_fail_every_rank_in_one_line_within_the_timeout(tmp_path
             assert cases[name][3] in result.stdout, f"{name}, group {g}:\n{result.stdout[-3000:]}"
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_lost_lighthouse_ends_every_group_at_its_next_averaging_with_nothing_half_written(tmp_path):
     """2 groups × 1 rank checkpointing every 4 steps; the lighthouse is killed once checkpoint-4 exists: both
@@ -322,7 +163,6 @@ def test_a_lost_lighthouse_ends_every_group_at_its_next_averaging_with_nothing_h
         assert leftovers == [], leftovers
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_restart_of_every_group_resumes_from_the_newest_step_they_all_have(tmp_path, one_job_h4):
     """2 groups × 2 ranks checkpoint every 4 steps to step 8; group 1's checkpoint-8 is lost. Restarted with

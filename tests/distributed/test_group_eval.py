@@ -1,4 +1,5 @@
-"""Per-group evaluation (`fed_eval_per_group`): each group's own model, before averaging, on the whole eval set."""
+"""Per-group evaluation (`fed_eval_per_group`) on 2 groups × 2 ranks: each group's own model,
+before averaging, on the whole eval set."""
 
 from __future__ import annotations
 
@@ -9,30 +10,7 @@ import sys
 import pytest
 import torch
 
-from hf_fedshard.integrations.card import _curves
-from hf_fedshard.integrations.group_eval import rank_batches
-
-from .launch import SCRIPTS, train_tiny
-
-
-@pytest.mark.parametrize(("num_samples", "world", "batch_size"), [(24, 2, 4), (25, 2, 4), (3, 4, 2), (9, 4, 4)])
-def test_rank_batches_cover_every_sample_once_with_equal_forward_counts(num_samples, world, batch_size):
-    shares = [rank_batches(num_samples, rank, world, batch_size) for rank in range(world)]
-    assert sorted(i for share in shares for batch in share for i in batch) == list(range(num_samples))
-    assert len({len(share) for share in shares}) == 1
-    assert all(len(batch) <= batch_size for share in shares for batch in share)
-
-
-def test_plot_has_one_eval_line_per_group_and_one_for_the_global_model():
-    history = [
-        {"step": 2, "eval_loss": 4.0, "eval_perplexity": 54.6, "eval_group0_perplexity": 60.0,
-         "eval_group10_perplexity": 62.0, "eval_group1_perplexity": 61.0},
-        {"step": 2, "loss": 4.2},
-    ]  # fmt: skip
-    curves = _curves(history)
-    groups = [f"group {g} (before averaging)" for g in (0, 1, 10)]
-    assert list(curves["eval perplexity"]) == ["global model", *groups]
-    assert curves["eval perplexity"]["group 1 (before averaging)"] == [(2, 61.0)]
+from ..launch import SCRIPTS, train_tiny
 
 
 def _tiny_script():
@@ -43,7 +21,6 @@ def _tiny_script():
     return module
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_each_groups_eval_loss_is_its_own_model_on_the_whole_eval_set(tmp_path):
     """2 groups × 2 ranks, H=2, evaluation at each epoch's end (4 steps: an averaging step, whose averaging comes

@@ -18,8 +18,8 @@ from hf_fedshard.engine.outer import OuterOptimizer
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.arguments import FedShardTrainingArguments
 
-from .asserts import labelled
-from .fake_communicator import run_ranks, run_split
+from ..asserts import labelled
+from ..fake_communicator import run_ranks, run_split
 
 
 def payloads(groups: int, numel: int = 1000) -> list[torch.Tensor]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .asserts import labelled
-from .launch import SCRIPTS, torchrun, train_tiny
+from ..asserts import labelled
+from ..launch import SCRIPTS, torchrun, train_tiny
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 FL_FSDP = ["--fed_group_size", "2"]
 FL_HSDP = ["--fed_group_size", "4", "--fed_shard_size", "2"]

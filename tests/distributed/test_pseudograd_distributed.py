@@ -13,11 +13,11 @@ import torch
 
 from hf_fedshard.engine.codec import INT8_BLOCK
 
-from .asserts import labelled
-from .launch import train_tiny
+from ..asserts import labelled
+from ..launch import train_tiny
 from .test_reliability import ADAMW, assert_same_run
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 FL_FSDP = ["--fed_group_size", "2"]
 FL_HSDP = ["--fed_group_size", "2", "--fed_shard_size", "1"]

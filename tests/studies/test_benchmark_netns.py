@@ -15,10 +15,9 @@ import pytest
 
 from benchmarks.harness.netns import RACK_NETNS_ENV, Cluster, list_namespaces
 
-from .launch import REPO
+from ..launch import REPO
 
 pytestmark = [
-    pytest.mark.slow,
     pytest.mark.timeout(300),
     pytest.mark.skipif(
         os.geteuid() != 0 or shutil.which("tc") is None, reason="network namespaces need root and iproute2"

@@ -16,7 +16,7 @@ from hf_fedshard.engine import pieces
 from hf_fedshard.engine.pieces import Address, GroupShape, PieceExchange, plan
 from hf_fedshard.errors import ConfigError
 
-from .fake_communicator import run_ranks
+from ..fake_communicator import run_ranks
 
 # (rows, columns, sharded): odd row counts so that groups of 4, 2 and 3 cut them at different rows; a tensor with
 # fewer rows than a group has shards (FSDP2 leaves the last shards empty); a buffer held whole.

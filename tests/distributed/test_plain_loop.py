@@ -9,10 +9,10 @@ import re
 import pytest
 import torch
 
-from .asserts import labelled
-from .launch import REPO, SCRIPTS, torchrun
+from ..asserts import labelled
+from ..launch import REPO, SCRIPTS, torchrun
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 
 def plain_loop(out, args: list[str]) -> list[dict]:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import zipfile
 
-from .launch import REPO
+from ..launch import REPO
 
 
 def test_wheel_contents(tmp_path):

@@ -19,7 +19,7 @@ from hf_fedshard.engine.pieces import Address, GroupShape, PieceExchange
 from hf_fedshard.transports.mesh import FederationLayout
 from hf_fedshard.transports.quorum_world import UnequalQuorum
 
-from .fake_communicator import BARRIER_TIMEOUT_S, run_federation, run_ranks
+from ..fake_communicator import BARRIER_TIMEOUT_S, run_federation, run_ranks
 from .test_engine import build, train_step
 
 SHAPES = [(5, 3), (4,), (6, 2)]  # two parameters (odd rows: shards of 2 differ in size), then a buffer

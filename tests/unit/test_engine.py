@@ -22,8 +22,8 @@ from hf_fedshard.engine.fragments import Schedule
 from hf_fedshard.engine.pieces import GroupShape
 from hf_fedshard.errors import ConfigError
 
-from .asserts import labelled
-from .fake_communicator import BARRIER_TIMEOUT_S, FakeCommunicator, run_federation, run_ranks
+from ..asserts import labelled
+from ..fake_communicator import BARRIER_TIMEOUT_S, FakeCommunicator, run_federation, run_ranks
 
 GROUPS = 3
 RANGES = {1: [(0, 4)], 2: [(0, 2), (2, 4)], 4: [(0, 1), (1, 2), (2, 3), (3, 4)]}  # by bytes: 48, 16, 32, 8

@@ -1,0 +1,160 @@
+"""``fed_transport torchft`` in process: the settings' refusals, and the engine's rounds on fake communicators
+with a fake membership (a round that does not commit is redone and changes nothing; a group that lost a round the
+others committed takes a peer's state and ends on the rule's value). The real launches are
+tests/distributed/test_elastic.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from hf_fedshard import FederatedAverager, FedShardTrainingArguments
+from hf_fedshard.engine.communicator import FederationCommunicator, Round
+from hf_fedshard.errors import ConfigError
+from hf_fedshard.integrations.card import quorum_rows
+
+from ..fake_communicator import BARRIER_TIMEOUT_S, run_federation
+from .test_engine import GROUPS, assert_groups_equal_reference, build, reference_for, train_step
+
+ELASTIC = ["--fed_transport", "torchft", "--fed_lighthouse", "http://localhost:1"]
+
+
+# ---- Settings ----
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--fed_group_id", "0", "--fed_num_groups", "2"], r"^fed_transport torchft needs fed_lighthouse"),
+        (["--fed_group_id", "2", "--fed_num_groups", "2"], r"^fed_group_id=2 must be in 0 … fed_num_groups - 1"),
+        (["--fed_group_id", "0", "--fed_num_groups", "2", "--fed_group_size", "2"], r"^fed_group_size=2 but this"),
+        (["--fed_group_id", "0", "--fed_num_groups", "2", "--eval_strategy", "steps", "--eval_steps", "6"],
+         r"^eval_steps=6 is not a multiple of fed_sync_steps=8"),
+        (["--fed_group_id", "0", "--fed_num_groups", "2", "--fed_sync_fragments", "2"],
+         r"^fed_sync_fragments/fed_sync_overlap stream"),
+        (["--fed_group_id", "0", "--fed_num_groups", "2", "--fed_eval_per_group", "true"],
+         r"^load_best_model_at_end and fed_eval_per_group"),
+    ],
+)  # fmt: skip
+def test_torchft_settings_are_refused_in_one_line(extra, message, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = [*ELASTIC, *extra]
+    if "fed_lighthouse" in message:
+        argv = argv[:2] + argv[4:]
+    with pytest.raises(ConfigError, match=message) as caught:
+        parse(argv)
+    assert "\n" not in str(caught.value)
+
+
+def test_torchft_settings_without_torchft_are_refused():
+    with pytest.raises(ConfigError, match=r"^fed_group_id, fed_num_groups belong to fed_transport torchft"):
+        parse(["--fed_group_id", "0", "--fed_num_groups", "2"])
+
+
+def test_a_torchft_group_counts_the_federation_and_writes_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = parse([*ELASTIC, "--fed_group_id", "1", "--fed_num_groups", "3", "--output_dir", str(tmp_path)])
+    assert args.output_dir == os.path.join(tmp_path, "fed_group1")
+    assert (args.fed_layout.world_size, args.fed_layout.num_groups, args.fed_layout.method) == (3, 3, "FL+FSDP")
+    assert (args.fed_launch_layout.world_size, args.fed_launch_layout.num_groups) == (1, 1)
+    assert args.fed_group_index(0) == 1
+
+
+def parse(argv: list[str]) -> FedShardTrainingArguments:
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(FedShardTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "unused", "--report_to", "none", *argv]
+    )
+    return args
+
+
+# ---- The engine's rounds (in process) ----
+
+
+class FakeMembership:
+    """Rounds on fake communicators: the commits listed in ``fail`` return False (all groups: ``"all"``, or one
+    group, which then heals from group 0's `peer_state` published right after group 0 committed)."""
+
+    def __init__(self, shared: dict, group: int, fail: dict[int, str]) -> None:
+        self.shared, self.group, self.fail = shared, group, fail
+        self.averager: FederatedAverager | None = None
+        self.commits = self.rounds = 0
+
+    def commit(self) -> bool:
+        self.commits += 1
+        who = self.fail.get(self.commits)
+        return who is None or (who != "all" and int(who) != self.group)
+
+    def next_round(self) -> Round:
+        """Right after a round: group 0 publishes its state (as torchft sends it while the next quorum forms)."""
+        self.rounds += 1
+        who = self.fail.get(self.commits)
+        if who not in (None, "all") and self.group == 0:
+            self.shared["peer"] = self.averager.peer_state()
+            self.shared["published"].set()
+        if who not in (None, "all") and int(who) == self.group:
+            assert self.shared["published"].wait(BARRIER_TIMEOUT_S)
+            self.averager.load_peer_state(self.shared["peer"])
+            return Round(healed=True, changed=True)
+        return Round()
+
+    def metrics(self) -> dict[str, float]:
+        return {"fed_commits": self.commits}
+
+
+def elastic_run(steps: int, fail: dict[int, str], **options) -> list:
+    """`test_engine.engine_run` with a `FakeMembership` on every group's communicator."""
+    shared = {"published": threading.Event()}
+    options = {"sync_steps": 4, **options}
+
+    def rank_fn(comm: FederationCommunicator):
+        group = comm.group
+        membership = FakeMembership(shared, group, fail)
+        comm = FederationCommunicator(
+            peers=comm.peers, control=comm.control, exchange=comm.exchange, timeout=comm.timeout, membership=membership
+        )
+        model, optimizer = build(group)
+        membership.averager = averager = FederatedAverager(model, optimizer, communicator=comm, **options)
+        for step in range(1, steps + 1):
+            train_step(model, optimizer, group, step)
+            averager.step(last=step == steps)
+        return [t.detach().clone() for t in (*model.parameters(), model.stat)], averager, membership, comm
+
+    return run_federation(GROUPS, rank_fn)
+
+
+@pytest.mark.parametrize("outer", [{}, {"outer_optimizer": "nesterov"}], ids=["fedavg", "nesterov"])
+def test_a_round_that_does_not_commit_changes_nothing_and_is_redone(outer):
+    """Commit 3 (the averaging of step 8) fails everywhere: the engine redoes it (twice the collectives at step 8)
+    and ends on the rule's values, to the bit; applying a lost round would take the outer step twice."""
+    results = elastic_run(12, fail={3: "all"}, **outer)
+    assert_groups_equal_reference(results, reference_for(outer).run(12))
+    for _, averager, membership, comm in results:
+        assert membership.commits == 1 + 3 + 1  # step 0, steps 4, 8 (twice), 12
+        assert comm.exchange.calls == 3 + 1
+        assert averager.counters.syncs == 1 + 3
+
+
+def test_a_group_that_lost_a_round_the_others_committed_heals_from_a_peer():
+    """Commit 2 (step 4) fails in group 2 only: it takes group 0's state after that averaging and all groups end
+    on the rule's values, to the bit, with its own inner optimizer state kept."""
+    results = elastic_run(12, fail={2: "2"})
+    assert_groups_equal_reference(results, reference_for({}).run(12))
+    assert [r[2].rounds for r in results] == [1 + 3, 1 + 3, 1 + 3]
+    assert [r[1].counters.syncs for r in results] == [4, 4, 4]
+
+
+def test_metrics_carry_the_transports_own():
+    (_, averager, *_), *_ = elastic_run(4, fail={})
+    assert averager.metrics()["fed_commits"] == 2
+
+
+def test_the_card_says_how_many_groups_took_part_and_the_heals():
+    history = [{"fed_groups_in_quorum": n, "fed_heals": h} for n, h in ((3, 0), (2, 0), (3, 1))]
+    rows = dict(quorum_rows(history, 4, history[-1]))
+    assert rows["Groups per averaging (fewest–most logged)"] == "2–3 of 4"
+    assert rows["Groups healed from a live peer"] == "1"

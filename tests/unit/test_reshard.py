@@ -1,0 +1,109 @@
+"""Resuming a federated checkpoint on another layout (hf_fedshard.checkpointing.reshard), in process: the data
+arithmetic and the outer state held by parameter. The real resumes are tests/distributed/test_reshard.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_fedshard import FederatedAverager
+from hf_fedshard.checkpointing.reshard import DataPosition, data_position
+from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat
+
+from ..fake_communicator import run_federation
+from .test_engine import build, train_step
+
+SAVED = {"samples_per_step": 8, "steps_per_epoch": 8, "num_groups": 2}  # a record of an earlier layout
+
+
+@pytest.mark.parametrize(
+    ("step", "new_batch", "new_steps_per_epoch", "position"),
+    [
+        (2, 6, 10, DataPosition(0, 16, 3, 2)),  # 16 read; 3 steps of 6 cover them; 2 samples not read
+        (4, 4, 16, DataPosition(0, 32, 8, 0)),  # a whole number of new steps: nothing skipped
+        (10, 6, 10, DataPosition(1, 16, 3, 2)),  # epoch 1 (8 steps per epoch then), 2 steps into it
+        (7, 16, 4, DataPosition(1, 0, 0, 0)),  # 56 of epoch 0 read: 4 steps of 16 would pass its end
+    ],
+)
+def test_the_data_resumes_after_the_samples_read_rounded_up_to_new_steps(
+    step, new_batch, new_steps_per_epoch, position
+):
+    assert data_position(SAVED, step, new_batch, new_steps_per_epoch) == position
+
+
+def test_a_recorded_epoch_position_wins_over_the_step():
+    """Written after a layout change (3 steps of 6 covered epoch 0's first 16 samples, then 2 more steps): step 4
+    says 24 samples, the record 30; resumed on the same layout, 5 steps of 6."""
+    saved = {**SAVED, "samples_per_step": 6, "steps_per_epoch": 10, "epoch": 0, "epoch_samples": 30}
+    assert data_position(saved, 4, 6, 10) == DataPosition(0, 30, 5, 0)
+
+
+def test_outer_state_by_parameter_is_cut_at_this_averagers_fragments():
+    """Anchors and momenta held by parameter (as DCP reads them onto any layout) become each fragment's state, the
+    momentum of a parameter without one left out, the param groups this averager's own."""
+    anchors = [torch.full((2,), float(i)) for i in range(5)]
+    momenta = [torch.ones(2), None, torch.ones(2) * 2, torch.ones(2) * 3, torch.ones(2) * 4]
+    optimizers = [OuterOptimizer([torch.zeros(2)] * n, lr=0.7, momentum=0.9) for n in (2, 3)]
+    outer = fragments_from_flat({"anchor": anchors, "momentum": momenta}, [(0, 2), (2, 5)], optimizers)
+    first, second = outer["fragments"]
+    assert [a[0].item() for a in first["anchor"]] == [0, 1] and [a[0].item() for a in second["anchor"]] == [2, 3, 4]
+    assert list(first["optimizer"]["state"]) == [0] and list(second["optimizer"]["state"]) == [0, 1, 2]
+    assert second["optimizer"]["state"][2]["momentum_buffer"] is momenta[4]
+    assert second["optimizer"]["param_groups"][0]["params"] == [0, 1, 2]
+    assert second["optimizer"]["param_groups"][0]["lr"] == 0.7
+    optimizers[1].load_state_dict(second)
+    assert torch.equal(optimizers[1].anchor[2], anchors[4])
+
+
+def test_an_exchange_in_flight_is_dropped_and_the_next_delta_covers_both_windows():
+    """3 groups (H = 4, τ = 1, Nesterov) stop at step 4 with step 4's exchange in flight; 2 groups resume from the
+    plain mean of their models and the anchor as the layout change reads it (by parameter, nothing in flight):
+    step 5 applies nothing, and step 8's exchange sends Δ = the anchor of step 0 − each group's model."""
+    options = {"sync_steps": 4, "sync_overlap": 1, "outer_optimizer": "nesterov"}
+
+    def old_group(comm):
+        model, optimizer = build(comm.group)
+        averager = FederatedAverager(model, optimizer, communicator=comm, **options)
+        for step in range(1, 5):
+            train_step(model, optimizer, comm.group, step)
+            averager.step()
+        state = averager.state_dict()
+        assert state["in_flight"] is not None
+        return [t.detach().clone() for t in model.parameters()], state
+
+    old = run_federation(3, old_group)
+    mean = [sum(ts[i] for ts, _ in old) / 3 for i in range(len(old[0][0]))]
+    anchor = [a.clone() for f in old[0][1]["outer"]["fragments"] for a in f["anchor"]]
+    resharded = {"counters": old[0][1]["counters"], "in_flight": None, "step": 4,
+                 "outer": {"anchor": anchor, "momentum": [None] * len(anchor)}}  # fmt: skip
+
+    def new_group(comm):
+        model, optimizer = build(comm.group + 10)
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), mean, strict=True):
+                p.copy_(value)
+        averager = FederatedAverager(model, optimizer, communicator=comm, average_initial_weights=False, **options)
+        averager.load_state_dict(resharded)
+        sent = []
+        mean_of = averager.exchange.mean
+
+        def record(tensors, contributors, addresses=None):  # what the exchange sends: each group's Δ
+            sent.append([t.clone() for t in tensors])
+            return mean_of(tensors, contributors, addresses)
+
+        averager.exchange.mean = record
+        changed = []
+        for step in range(5, 9):
+            train_step(model, optimizer, comm.group, step)
+            before = [p.detach().clone() for p in model.parameters()]
+            averager.step()
+            changed.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)))
+        local = [p.detach().clone() for p in model.parameters()]
+        averager.finish()
+        return changed, sent[0], local
+
+    for changed, deltas, local in run_federation(2, new_group):
+        assert changed == [False, False, False, False]  # step 5 applies nothing; step 8's exchange is in flight
+        for delta, a, p in zip(deltas, anchor, local, strict=True):  # Δ taken at step 8 against step 0's anchor
+            assert torch.equal(delta, a - p.float())
