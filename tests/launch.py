@@ -32,12 +32,14 @@ def start_torchrun(
     """Start ``script`` on ``nproc`` local CPU ranks (output piped); `finish` waits for it.
 
     ``preloaded`` forks the workers from a launcher that has imported the libraries once (tests/preloaded_torchrun.py);
-    False starts each in a fresh interpreter, as plain torchrun does.
+    False starts each in a fresh interpreter, as plain torchrun does (every launch does with
+    ``HF_FEDSHARD_PLAIN_TORCHRUN=1``).
 
     With ``max_restarts``, torchrun restarts the whole job after a failure; its rendezvous store is then not
     shared with the workers, whose restarted process groups would otherwise read the dead ones' addresses
     (pytorch/pytorch#135712), as docs/fault_tolerance.md tells users to do.
     """
+    preloaded = preloaded and os.environ.get("HF_FEDSHARD_PLAIN_TORCHRUN") != "1"
     launcher = [str(REPO / "tests" / "preloaded_torchrun.py")] if preloaded else ["-m", "torch.distributed.run"]
     cmd = [sys.executable, *launcher, "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", str(script), *map(str, args)]  # fmt: skip

@@ -11,6 +11,11 @@ What a fork cannot give: every rank shares the launcher's string-hash seed (set 
 across ranks, where a real launch could disagree). A check that needs a fresh interpreter's own exit
 (tests/scripts/gloo_exit.py) or a restart's real start-up time is launched with plain torchrun instead.
 
+It leans on three internals: torchrun's ``run_script_path`` (what ``--run-path`` runs), ``threading._shutdown`` and
+``atexit._run_exitfuncs``. `require_internals` checks them before anything starts (tests/unit/test_launchers.py runs
+it too), so an upgrade that moves them fails loudly; ``HF_FEDSHARD_PLAIN_TORCHRUN=1`` then runs the suite on plain
+torchrun (fresh interpreters, slower) until the launcher is adapted.
+
     python tests/preloaded_torchrun.py --standalone --nproc_per_node 4 /abs/path/script.py --arg value
 """
 
@@ -28,6 +33,20 @@ from accelerate import Accelerator  # noqa: F401 (preloaded for the workers)
 from transformers import LlamaForCausalLM, Trainer  # noqa: F401 (preloaded for the workers)
 
 import hf_fedshard.integrations.trainer  # noqa: F401 (preloaded for the workers)
+
+
+def require_internals() -> None:
+    """Raise, naming what is missing, if this torch or Python lacks an internal the launcher replaces or calls."""
+    missing = []
+    if "run_script_path" not in torch.distributed.run.config_from_args.__code__.co_names:
+        missing.append("torch.distributed.run.config_from_args no longer runs run_script_path for --run-path")
+    missing += [f"{m.__name__}.{name}" for m, name in ((threading, "_shutdown"), (atexit, "_run_exitfuncs"))
+                if not callable(getattr(m, name, None))]  # fmt: skip
+    if missing:
+        raise RuntimeError(
+            f"tests/preloaded_torchrun.py cannot fork its workers here: {'; '.join(missing)}. Run the tests with "
+            "HF_FEDSHARD_PLAIN_TORCHRUN=1 (plain torchrun) and adapt the launcher to this torch/Python."
+        )
 
 
 def run_script(path: str, *args: str) -> None:
@@ -53,6 +72,7 @@ def run_script(path: str, *args: str) -> None:
 
 
 if __name__ == "__main__":
+    require_internals()
     if "torchft" in sys.argv:
         import torchft  # noqa: F401 (preloaded for the workers of a torchft launch)
     torch.distributed.run.run_script_path = run_script  # what --run-path runs in each worker
