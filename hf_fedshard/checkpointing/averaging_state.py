@@ -4,9 +4,7 @@
 mean Δ, group-specific) are written by every rank into its group's folder. The anchor and the outer momentum, equal
 in every group, are written once, by group 0's ranks, with DCP into ``fed_outer/``: each is wrapped as a DTensor
 with its parameter's mesh and placements, so a run on another number or size of groups reads them back with its own
-shards, DCP cutting from the saved chunks what each rank needs (`hf_fedshard.checkpointing.reshard`). Checkpoints of
-earlier releases hold ``fed_outer/position{p}.pt`` (one file per position in a group, plain local tensors) and
-resume only on their own layout.
+shards, DCP cutting from the saved chunks what each rank needs (`hf_fedshard.checkpointing.reshard`).
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from hf_fedshard.checkpointing.checkpoint import OUTER_DIR, group_dir, holds_outer_state_by_name, reading
+from hf_fedshard.checkpointing.checkpoint import OUTER_DIR, group_dir, reading
 from hf_fedshard.transports.mesh import FederationLayout
 
 ANCHOR, MOMENTUM = "anchor", "momentum"
@@ -65,16 +63,10 @@ def save_outer_state(checkpoint: str, model: nn.Module, outer: dict, group: Proc
     dcp.save(state, checkpoint_id=os.path.join(checkpoint, OUTER_DIR), process_group=group)
 
 
-def load_outer_state(checkpoint: str, model: nn.Module, group: ProcessGroup, position: int) -> dict | None:
-    """The outer state for this rank: from DCP in the engine's flat form (``anchor`` and ``momentum``, a tensor or
-    ``None`` per trainable parameter: `hf_fedshard.engine.outer.fragments_from_flat`), or an earlier release's
-    ``position{position}.pt``; ``None`` for a checkpoint without one."""
-    if not holds_outer_state_by_name(checkpoint):
-        path = outer_state_path(checkpoint, position)
-        if not os.path.isfile(path):
-            return None
-        with reading(path):
-            return torch.load(path, weights_only=True)
+def load_outer_state(checkpoint: str, model: nn.Module, group: ProcessGroup) -> dict:
+    """The outer state for this rank, read from DCP in the engine's flat form (``anchor`` and ``momentum``, a tensor
+    or ``None`` per trainable parameter: `hf_fedshard.engine.outer.fragments_from_flat`); every rank of ``group``
+    must call it."""
     directory = os.path.join(checkpoint, OUTER_DIR)
     with reading(directory):
         saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
@@ -118,11 +110,6 @@ def read_counters(checkpoint: str, group_index: int, rank: int) -> dict[str, Any
         return json.load(f)
 
 
-def outer_state_path(checkpoint: str | Path, position: int) -> str:
-    """The file of the anchor and outer momentum of the shards at ``position`` (rank within a group)."""
-    return os.path.join(checkpoint, OUTER_DIR, f"position{position}.pt")
-
-
 def in_flight_path(checkpoint: str | Path, group: int, rank: int) -> str:
     """The file of rank ``rank``'s exchange in flight (group-specific: it holds the group's own snapshot)."""
     return os.path.join(group_dir(checkpoint, group), f"in_flight_rank{rank}.pt")
@@ -163,7 +150,7 @@ def load_averaging_state(
     """`save_averaging_state`'s files as rank ``rank``'s `FederatedAverager.state_dict` (without ``step``, which
     the Trainer's state holds); every rank of ``group`` (its group) must call it."""
     index = layout.group_index(rank)
-    outer = load_outer_state(checkpoint, model, group, layout.position(rank))  # the group's collective comes first
+    outer = load_outer_state(checkpoint, model, group)  # the group's collective comes first
     return {
         "counters": read_counters(checkpoint, index, rank),
         "in_flight": load_in_flight_state(checkpoint, index, rank, local_device(next(model.parameters()))),

@@ -5,7 +5,8 @@ copy with distributed checkpointing (DCP) over its own ranks: no rank gathers th
 the slow tier, and no two groups write the same keys (Accelerate's FSDP save runs DCP over the whole world,
 where they would). A federated ``checkpoint-N/`` holds::
 
-    fed_layout.json                   layout and model fingerprint: resuming elsewhere fails with one clear line
+    fed_layout.json                   format version, layout and model fingerprint: read first at a resume, so
+                                      another format, layout or model fails with one clear line
     fed_group{g}/model/               DCP checkpoint of group g's model shards, written by group g's ranks only
     fed_group{g}/optimizer/           DCP checkpoint of group g's optimizer state
     fed_group{g}/fedavg_rank{r}.json  averaging counters of rank r (syncs, bytes sent, last averaged step, ...)
@@ -53,6 +54,10 @@ from hf_fedshard.errors import ConfigError
 from hf_fedshard.transports.mesh import FederationLayout
 
 FED_LAYOUT_NAME = "fed_layout.json"
+FORMAT_VERSION = 1
+"""The checkpoint format this release writes (``"format"`` in ``fed_layout.json``) and the only one it loads: a
+checkpoint without one, or of another version, is refused in one line before anything else is read
+(`check_format`). Raise it with any change that a checkpoint written before cannot be read through."""
 OUTER_DIR = "fed_outer"
 STAGING_PREFIX = "tmp-"
 DAMAGED_PREFIX = "damaged-"
@@ -212,11 +217,6 @@ def read_layout_record(checkpoint: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
-def holds_outer_state_by_name(checkpoint: str) -> bool:
-    """Whether ``fed_outer/`` is a DCP checkpoint by parameter name, not an earlier release's ``position{p}.pt``."""
-    return os.path.isfile(os.path.join(checkpoint, OUTER_DIR, ".metadata"))
-
-
 def check_tokenizer_matches(checkpoint: str, current: dict[str, Any] | None) -> None:
     """Refuse a checkpoint whose recorded tokenizer differs from this run's (one line, no collective)."""
     record = read_layout_record(checkpoint) if current is not None else None
@@ -231,9 +231,11 @@ def check_tokenizer_matches(checkpoint: str, current: dict[str, Any] | None) -> 
 
 
 def layout_record(layout: FederationLayout, model: nn.Module, data: dict[str, int]) -> dict[str, Any]:
-    """The content of ``fed_layout.json``: the layout, the model, and what the run read (``data``: a step's
-    ``samples_per_step`` and ``steps_per_epoch``, for a resume on another layout, and the ``tokenizer``)."""
+    """The content of ``fed_layout.json``: the checkpoint's format, the layout, the model, and what the run read
+    (``data``: a step's ``samples_per_step`` and ``steps_per_epoch``, for a resume on another layout, and the
+    ``tokenizer``)."""
     return {
+        "format": FORMAT_VERSION,
         "method": layout.method,
         "world_size": layout.world_size,
         "fed_group_size": layout.group_size,
@@ -255,15 +257,10 @@ def write_layout_record(checkpoint: str, layout: FederationLayout, model: nn.Mod
         json.dump(layout_record(layout, model, data), f, indent=2)
 
 
-def is_reshardable(checkpoint: str) -> bool:
-    """Whether ``checkpoint`` can resume on another layout: its outer state is held by parameter name (DCP), not
-    per position (``position{p}.pt``, an earlier release's), and it records its data arithmetic."""
-    record = read_layout_record(checkpoint)
-    return holds_outer_state_by_name(checkpoint) and record is not None and "samples_per_step" in record
-
-
 def check_resumable(checkpoint: str, layout: FederationLayout, model: nn.Module) -> None:
-    """Raise `ConfigError` unless ``checkpoint`` was written by a run of this layout and model.
+    """Raise `ConfigError` unless ``checkpoint`` is of the format this release loads (`check_format`, first) and was
+    written by a run of this model; on another layout, unless it records the data arithmetic a layout change needs
+    (``samples_per_step``: `hf_fedshard.checkpointing.reshard`).
 
     With one group, only a federated checkpoint is checked (and refused): others are Trainer's own. Reads one small
     file and no collective, so every rank raises the same error and none waits for the others.
@@ -277,22 +274,35 @@ def check_resumable(checkpoint: str, layout: FederationLayout, model: nn.Module)
             f"FedShardTrainer run, and this run is {layout.describe()}. Resume from a checkpoint of this run's "
             "output_dir, or start without resume_from_checkpoint."
         )
-    if layout.federated and is_reshardable(checkpoint):  # another layout is resharded (checkpointing.reshard)
+    check_format(saved, checkpoint)  # before any other field is read: another format may hold them otherwise
+    if layout.federated and "samples_per_step" in saved:  # another layout is resharded (checkpointing.reshard)
         check_model_matches(saved["model"], model_fingerprint(model), checkpoint)
         return
     check_layout_matches(saved, layout, checkpoint)
     check_model_matches(saved["model"], model_fingerprint(model), checkpoint)
 
 
+def check_format(saved: dict[str, Any], checkpoint: str) -> None:
+    """Refuse a checkpoint whose ``fed_layout.json`` (``saved``) records no format or another than `FORMAT_VERSION`."""
+    found = saved.get("format")
+    if found != FORMAT_VERSION:
+        recorded = "no checkpoint format" if found is None else f"checkpoint format {found!r}"
+        raise ConfigError(
+            f"resume_from_checkpoint={checkpoint} records {recorded} in {FED_LAYOUT_NAME}, but this release of "
+            f"hf_fedshard loads format {FORMAT_VERSION} only. Resume it with the hf_fedshard release that wrote it, "
+            "or start without resume_from_checkpoint."
+        )
+
+
 def check_layout_matches(saved: dict[str, Any], layout: FederationLayout, checkpoint: str) -> None:
-    """A checkpoint of an earlier release (outer state per position) fits only its own world, group and shard
-    sizes; and one group resumes no federated checkpoint."""
+    """One group resumes no federated checkpoint, and a checkpoint without its data arithmetic (``samples_per_step``)
+    resumes only on its own world, group and shard sizes."""
     then = recorded_layout(saved)
     if layout != then:
         why = (
             "one group (no federation) does not resume a federated checkpoint"
             if not layout.federated
-            else "its outer state (fed_outer/position*.pt, an earlier release's format) fits only that layout"
+            else "it records no data arithmetic (samples_per_step), which a resume on another layout needs"
         )
         raise ConfigError(
             f"resume_from_checkpoint={checkpoint} was written with fed_group_size={then.group_size_arg}, "

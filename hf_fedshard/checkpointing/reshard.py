@@ -158,7 +158,7 @@ def load_resharded_averaging_state(change: LayoutChange, model: nn.Module, group
     """The averager's state on a new layout: the first rank's counters (its pending norms dropped), nothing in
     flight, the outer state by parameter."""
     counters = {**read_counters(change.checkpoint, 0, 0), "pending_norms": None}
-    return {"counters": counters, "in_flight": None, "outer": load_outer_state(change.checkpoint, model, group, 0)}
+    return {"counters": counters, "in_flight": None, "outer": load_outer_state(change.checkpoint, model, group)}
 
 
 @dataclass(frozen=True)

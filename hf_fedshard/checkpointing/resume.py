@@ -7,7 +7,9 @@ ranks which candidates passed everywhere. The newest of those is then checksumme
 the files (every file some rank reads is hashed by one rank), and one more collective agrees on the result:
 a mismatch on any rank makes all ranks move on to the next candidate, together. Candidates with verified damage
 are renamed aside (`set_aside`), so a restarted job never tries them again; a checkpoint without a manifest cannot
-be verified and is skipped but left in place. An explicit path that does not verify is refused.
+be verified and is skipped but left in place. An explicit path that does not verify is refused. A candidate of
+another format or model (`check_resumable`) is bad input, not damage: every rank refuses it before the first
+collective.
 
 Loading the chosen checkpoint (`load_on_every_rank`) ends with one more collective: a file that verified yet cannot
 be read (written damaged) is named by the rank that read it, and every rank stops with that message together.
@@ -23,7 +25,6 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_fedshard.checkpointing.checkpoint import (
-    FED_LAYOUT_NAME,
     OUTER_DIR,
     CheckpointReadError,
     check_resumable,
@@ -137,8 +138,7 @@ def _size_problem(checkpoint: str, layout: FederationLayout, model: nn.Module, r
     except ValueError as err:
         return str(err)
     if files is None:
-        if not os.path.isfile(os.path.join(checkpoint, FED_LAYOUT_NAME)):
-            check_resumable(checkpoint, layout, model)  # refuses what no federated run wrote
+        check_resumable(checkpoint, layout, model)  # refuses what no federated run wrote, or another format
         return f"{MANIFEST_NAME} is missing"
     top_level = [path for path in files if "/" not in path]
     problem = size_problem(checkpoint, files, top_level)

@@ -315,7 +315,7 @@ class FederatedAverager:
         """Continue from `state_dict`'s output, with this averager's own settings (a resume may change the outer
         optimizer and the wire dtype: `hf_fedshard.engine.settings_history`). ``outer`` may also be held by
         parameter (`fragments_from_flat`), as a checkpoint read onto another layout holds it."""
-        if "anchor" in (state.get("outer") or {}):
+        if "anchor" in state["outer"]:
             ranges = [(f.start, f.stop) for f in self.fragments]
             outer = fragments_from_flat(state["outer"], ranges, [f.outer for f in self.fragments])
             state = {**state, "outer": outer}

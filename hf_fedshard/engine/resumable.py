@@ -15,14 +15,8 @@ logger = logging.getLogger(__name__)
 
 
 def check_state(state: dict, schedule: Schedule, fragments: int | None = None) -> None:
-    """Refuse a state written by an older release or with another number of fragments or another schedule."""
+    """Refuse a state written with another number of fragments or another schedule."""
     counters = state["counters"]
-    if "synced_at" not in counters:
-        raise ConfigError(
-            "the checkpoint's FedAvg counters hold last_synced_step, written by an hf_fedshard release before "
-            "pseudo-gradient averaging, which this one does not resume. Resume it with that release, or start "
-            "afresh in another output_dir."
-        )
     if len(counters["synced_at"]) != schedule.fragments:
         raise ConfigError(
             f"fed_sync_fragments={schedule.fragments}, but the checkpoint was written with "
@@ -30,7 +24,7 @@ def check_state(state: dict, schedule: Schedule, fragments: int | None = None) -
         )
     _check_in_flight(state.get("in_flight"), schedule)
     if fragments is not None:
-        _check_outer(state.get("outer"), int(state["step"]), fragments)
+        _check_outer(state["outer"], fragments)
 
 
 def _check_in_flight(flight: dict | None, schedule: Schedule) -> None:
@@ -46,12 +40,7 @@ def _check_in_flight(flight: dict | None, schedule: Schedule) -> None:
         )
 
 
-def _check_outer(outer: dict | None, step: int, fragments: int) -> None:
-    if outer is None or "fragments" not in outer:
-        raise ConfigError(
-            f"the checkpoint resumed at step {step} holds no anchor (fed_outer/) for every fragment; it was written "
-            "before pseudo-gradient averaging. Resume from a newer checkpoint or start afresh."
-        )
+def _check_outer(outer: dict, fragments: int) -> None:
     if len(outer["fragments"]) != fragments:
         raise ConfigError(
             f"fed_sync_fragments={fragments}, but the checkpoint holds {len(outer['fragments'])} fragment(s). "

@@ -6,13 +6,17 @@ error on its own and none waits for the others; `test_reliability` runs the trai
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_fedshard import FederationLayout, FedShardTrainer, FedShardTrainingArguments, notices
 from hf_fedshard.checkpointing.checkpoint import (
+    FORMAT_VERSION,
     check_resumable,
     check_tokenizer_matches,
     complete_checkpoints,
@@ -21,7 +25,8 @@ from hf_fedshard.checkpointing.checkpoint import (
     tokenizer_fingerprint,
     write_layout_record,
 )
-from hf_fedshard.checkpointing.manifest import checksum_problem, describe_files, list_files, size_problem
+from hf_fedshard.checkpointing.manifest import MANIFEST_NAME, checksum_problem, describe_files, list_files, size_problem
+from hf_fedshard.checkpointing.resume import resumable_checkpoint
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.card import divergence_steps
 
@@ -38,43 +43,34 @@ def llama(hidden_size: int = 32) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def saved_checkpoint(tmp_path, layout: FederationLayout, model, reshardable: bool = False) -> str:
-    """A checkpoint folder holding only the files `check_resumable` reads: the record, and for a checkpoint of this
-    release (``reshardable``) its data arithmetic and the outer state's DCP metadata; else an earlier release's."""
-    data = {"samples_per_step": 8, "steps_per_epoch": 8} if reshardable else {}
-    write_layout_record(str(tmp_path), layout, model, data)
-    if reshardable:
-        (tmp_path / "fed_outer").mkdir()
-        (tmp_path / "fed_outer" / ".metadata").write_bytes(b"")
+def saved_checkpoint(tmp_path, layout: FederationLayout, model, data: bool = True) -> str:
+    """A checkpoint folder holding only the file `check_resumable` reads: the record, with its data arithmetic
+    unless ``data`` is false."""
+    arithmetic = {"samples_per_step": 8, "steps_per_epoch": 8} if data else {}
+    write_layout_record(str(tmp_path), layout, model, arithmetic)
     return str(tmp_path)
 
 
+def record_format(checkpoint: str, found: object) -> None:
+    """Rewrite ``checkpoint``'s ``fed_layout.json`` with format ``found`` (``None``: without one)."""
+    path = Path(checkpoint) / "fed_layout.json"
+    record = {k: v for k, v in json.loads(path.read_text()).items() if k != "format"}
+    path.write_text(json.dumps(record if found is None else {"format": found, **record}))
+
+
 FL_FSDP_4 = FederationLayout(4, 2)  # 2 groups × 2 shards
-EARLIER = r", and its outer state \(fed_outer/position\*\.pt, an earlier release's format\) fits only that layout\. "
 
 
 @pytest.mark.parametrize(
     ("case", "saved_layout", "saved_hidden", "run_layout", "run_hidden", "message"),
     [
         (
-            "another group size, an earlier release's checkpoint",
-            FL_FSDP_4, 32, FederationLayout(4, 1), 32,
-            r"was written with fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=4, but this run has "
-            r"fed_group_size=1, fed_shard_size=1 on WORLD_SIZE=4" + EARLIER
-            + r"Relaunch on 4 ranks with --fed_group_size 2 --fed_shard_size 2, or use another output_dir",
-        ),
-        (
-            "another shard size (FL+HSDP)",
+            "another shard size, no data arithmetic recorded",
             FederationLayout(8, 4, 2), 32, FederationLayout(8, 4, 4), 32,
             r"was written with fed_group_size=4, fed_shard_size=2 on WORLD_SIZE=8, but this run has "
-            r"fed_group_size=4, fed_shard_size=4 on WORLD_SIZE=8" + EARLIER
-            + r"Relaunch on 8 ranks with --fed_group_size 4 --fed_shard_size 2",
-        ),
-        (
-            "another world size",
-            FL_FSDP_4, 32, FederationLayout(8, 2), 32,
-            r"was written with fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=4, but this run has "
-            r"fed_group_size=2, fed_shard_size=2 on WORLD_SIZE=8" + EARLIER + r"Relaunch on 4 ranks",
+            r"fed_group_size=4, fed_shard_size=4 on WORLD_SIZE=8, and it records no data arithmetic "
+            r"\(samples_per_step\), which a resume on another layout needs\. "
+            r"Relaunch on 8 ranks with --fed_group_size 4 --fed_shard_size 2, or use another output_dir",
         ),
         (
             "another model",
@@ -87,7 +83,7 @@ EARLIER = r", and its outer state \(fed_outer/position\*\.pt, an earlier release
 def test_resuming_elsewhere_fails_with_one_line(
     tmp_path, case, saved_layout, saved_hidden, run_layout, run_hidden, message
 ):
-    checkpoint = saved_checkpoint(tmp_path, saved_layout, llama(saved_hidden))
+    checkpoint = saved_checkpoint(tmp_path, saved_layout, llama(saved_hidden), data=False)
     with pytest.raises(ConfigError, match=rf"^resume_from_checkpoint={checkpoint} {message}") as err:
         check_resumable(checkpoint, run_layout, llama(run_hidden))
     assert "\n" not in str(err.value), case
@@ -118,16 +114,50 @@ def test_a_checkpoint_trained_with_another_tokenizer_is_refused(tmp_path):
 
 
 def test_same_layout_and_model_resume(tmp_path):
-    check_resumable(saved_checkpoint(tmp_path, FL_FSDP_4, llama()), FL_FSDP_4, llama())
+    checkpoint = saved_checkpoint(tmp_path, FL_FSDP_4, llama())
+    assert json.loads((tmp_path / "fed_layout.json").read_text())["format"] == FORMAT_VERSION
+    check_resumable(checkpoint, FL_FSDP_4, llama())
 
 
 @pytest.mark.parametrize("run_layout", [FederationLayout(2, 1), FederationLayout(8, 4, 2), FederationLayout(6, 2)])
-def test_a_checkpoint_of_this_release_resumes_on_another_layout(tmp_path, run_layout):
-    check_resumable(saved_checkpoint(tmp_path, FL_FSDP_4, llama(), reshardable=True), run_layout, llama())
+def test_a_checkpoint_resumes_on_another_layout(tmp_path, run_layout):
+    check_resumable(saved_checkpoint(tmp_path, FL_FSDP_4, llama()), run_layout, llama())
+
+
+@pytest.mark.parametrize(
+    ("found", "recorded"),
+    [(None, "no checkpoint format"), (FORMAT_VERSION + 1, f"checkpoint format {FORMAT_VERSION + 1}")],
+)
+@pytest.mark.parametrize("run_layout", [FL_FSDP_4, FederationLayout(2, 1), FederationLayout(4, 4)])
+def test_a_checkpoint_without_a_format_or_of_another_is_refused_in_one_line(tmp_path, found, recorded, run_layout):
+    """Before any other field is read, on the same layout, another one, or one group (which refuses it anyway)."""
+    checkpoint = saved_checkpoint(tmp_path, FL_FSDP_4, llama())
+    record_format(checkpoint, found)
+    message = (
+        rf"^resume_from_checkpoint={checkpoint} records {recorded} in fed_layout\.json, but this release of "
+        rf"hf_fedshard loads format {FORMAT_VERSION} only\. Resume it with the hf_fedshard release that wrote it, "
+        r"or start without resume_from_checkpoint\.$"
+    )
+    with pytest.raises(ConfigError, match=message) as err:
+        check_resumable(checkpoint, run_layout, llama(64))  # another model too: the format is checked first
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("manifest", [False, True])
+def test_the_resume_refuses_another_format_on_each_rank_before_any_collective(tmp_path, manifest):
+    """`resumable_checkpoint` checks every candidate before its first collective: no process group exists here."""
+    checkpoint = saved_checkpoint(tmp_path, FL_FSDP_4, llama())
+    record_format(checkpoint, None)
+    if manifest:
+        files = describe_files(checkpoint, list_files(checkpoint))
+        (tmp_path / MANIFEST_NAME).write_text(json.dumps({"files": files}))
+    args = SimpleNamespace(fed_auto_resume=False, output_dir=str(tmp_path.parent), fed_elastic=False, process_index=0)
+    with pytest.raises(ConfigError, match=r"records no checkpoint format in fed_layout\.json, but this release"):
+        resumable_checkpoint(checkpoint, args, FL_FSDP_4, llama())
 
 
 def test_another_layout_still_needs_the_same_model_and_a_federation(tmp_path):
-    checkpoint = saved_checkpoint(tmp_path, FL_FSDP_4, llama(), reshardable=True)
+    checkpoint = saved_checkpoint(tmp_path, FL_FSDP_4, llama())
     with pytest.raises(ConfigError, match=r"holds a different model: llama with"):
         check_resumable(checkpoint, FederationLayout(2, 1), llama(64))
     one_group = r"on WORLD_SIZE=2, and one group \(no federation\) does not resume a federated checkpoint\. Relaunch"
