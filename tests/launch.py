@@ -10,6 +10,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -58,6 +60,30 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> subprocess.CompletedProc
         out, _ = proc.communicate(timeout=60)
         raise TimeoutError(f"{proc.args} hung for {timeout_s}s; output:\n{out[-4000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+class Background:
+    """A launch waited for by a thread of its own from its start, so that launches that mostly wait (for a timeout,
+    a stopped peer) run side by side; `result` returns what `finish` would, and ``ended_at`` when it ended."""
+
+    def __init__(self, proc: subprocess.Popen, timeout_s: float) -> None:
+        self.ended_at: float | None = None
+        self._outcome: subprocess.CompletedProcess | BaseException | None = None
+        self._thread = threading.Thread(target=self._wait, args=(proc, timeout_s), daemon=True)
+        self._thread.start()
+
+    def _wait(self, proc: subprocess.Popen, timeout_s: float) -> None:
+        try:
+            self._outcome = finish(proc, timeout_s)
+        except BaseException as err:  # re-raised by result(), in the test's thread
+            self._outcome = err
+        self.ended_at = time.time()
+
+    def result(self) -> subprocess.CompletedProcess:
+        self._thread.join()
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

@@ -21,7 +21,7 @@ from hf_fedshard.checkpointing.checkpoint import latest_complete_checkpoint
 from hf_fedshard.checkpointing.manifest import checksum_problem, describe_files, read_manifest
 
 from ..asserts import labelled
-from ..launch import SCRIPTS, SGD, torchrun, train_tiny
+from ..launch import SCRIPTS, SGD, Background, start_torchrun, torchrun, train_tiny
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -145,19 +145,38 @@ def test_fl_hsdp_resumes_exactly_between_averagings(tmp_path):
     assert_same_run(runs, ref)
 
 
-def test_silent_group_fails_the_others_within_fed_timeout(tmp_path):
+STALLS = {  # name: the fault's arguments (2 groups × 2 ranks); the three launches mostly wait, so they run at once
+    "silent": ["--fed_sync_steps", "2", "--max_steps", "4", "--fed_timeout_s", "5", "--sleep_group", "1",
+               "--sleep_at_step", "2", "--sleep_s", "600"],
+    "stopped": ["--fed_sync_steps", "4", "--max_steps", "8", "--ddp_timeout", "20", "--fed_timeout_s", "10",
+                "--stop_at_step", "3", "--fault_rank", "3"],
+    "stopped_in_flight": ["--fed_sync_steps", "4", "--fed_sync_overlap", "1", "--max_steps", "8", "--ddp_timeout",
+                          "600", "--fed_timeout_s", "10", "--stop_at_step", "5", "--fault_rank", "3",
+                          "--logging_steps", "100"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stalls(tmp_path_factory) -> dict[str, tuple[Path, Background]]:
+    """The launches of `STALLS`, started side by side (each test waits for its own): their output folder and launch."""
+    launches = {}
+    for name, fault in STALLS.items():
+        out = tmp_path_factory.mktemp(name)
+        args = ["--output_dir", out, "--dump_dir", out, *SGD, "--fed_group_size", "2", *fault]
+        launches[name] = out, Background(start_torchrun(4, SCRIPT, args), 400)
+    return launches
+
+
+def test_silent_group_fails_the_others_within_fed_timeout(stalls):
     """Group 1 sleeps 10 minutes before the first averaging: group 0 raises after 5 s and the job ends."""
-    args = ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, "--fed_group_size", "2", "--fed_sync_steps", "2",
-            "--max_steps", "4", "--fed_timeout_s", "5", "--sleep_group", "1", "--sleep_at_step", "2",
-            "--sleep_s", "600"]  # fmt: skip
-    result = torchrun(4, SCRIPT, args, timeout_s=240)
+    result = stalls["silent"][1].result()
     assert result.returncode != 0
     assert "an exchange across federation groups failed at step 2: another group stopped answering" in result.stdout
     assert "no reply within fed_timeout_s=5 seconds" in result.stdout
 
 
 def _processes_mentioning(text: str) -> list[int]:
-    """Ids of the live processes whose command line holds ``text`` (a test's own tmp_path)."""
+    """Ids of the live processes whose command line holds ``text`` (a test's own output folder)."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
@@ -168,45 +187,39 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def test_stopped_rank_ends_the_job_within_the_timeouts(tmp_path):
-    """SIGSTOP of rank 3 (group 1) at step 3: group 0 fails in the world loss gather of logging after ddp_timeout.
+def test_stopped_rank_ends_the_job_within_the_timeouts(stalls):
+    """SIGSTOP of rank 3 (group 1) at step 3: group 0 fails in the world loss gather of logging after ddp_timeout
+    (20 s; fed_timeout_s 10), and torchrun ends the stopped rank.
 
     Before the world group got ddp_timeout on CPU, group 0 waited PyTorch's 30-minute default there.
     """
-    ddp_timeout, fed_timeout = 20, 10
-    args = ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, "--fed_group_size", "2", "--fed_sync_steps", "4",
-            "--max_steps", "8", "--ddp_timeout", ddp_timeout, "--fed_timeout_s", fed_timeout, "--stop_at_step", "3",
-            "--fault_rank", "3"]  # fmt: skip
-    result = torchrun(4, SCRIPT, args, timeout_s=400)
-    ended = time.time()
+    out, launch = stalls["stopped"]
+    result = launch.result()
     assert result.returncode != 0
     stopped = float(re.search(r"rank 3 stopping at ([\d.]+)", result.stdout).group(1))
-    assert ended - stopped < max(ddp_timeout, fed_timeout) + 60, result.stdout[-3000:]  # the bound the README states
+    assert launch.ended_at - stopped < max(20, 10) + 60, result.stdout[-3000:]  # the bound the README states
     assert "a collective across ranks failed at step 3: a rank stopped answering (no reply within ddp_timeout=20" in (
         result.stdout
     )
-    assert not _processes_mentioning(str(tmp_path))  # the stopped rank too
+    assert not _processes_mentioning(str(out))  # the stopped rank too
 
 
-def test_stopped_rank_with_an_exchange_in_flight_fails_the_others_within_fed_timeout(tmp_path):
+def test_stopped_rank_with_an_exchange_in_flight_fails_the_others_within_fed_timeout(stalls):
     """τ = 1, H = 4: rank 3 (group 1) stops as step 5, the apply step, begins. Group 0 fails within fed_timeout_s,
     not the 600 s ddp_timeout: waiting for the exchange of step 4 if rank 3 stopped before its worker sent its part,
     else at step 8's averaging (the apply itself runs no collective across groups). No logging before then: the
     Trainer's loss gather at a log spans the world under ddp_timeout."""
-    args = ["--output_dir", tmp_path, "--dump_dir", tmp_path, *SGD, "--fed_group_size", "2", "--fed_sync_steps", "4",
-            "--fed_sync_overlap", "1", "--max_steps", "8", "--ddp_timeout", "600", "--fed_timeout_s", "10",
-            "--stop_at_step", "5", "--fault_rank", "3", "--logging_steps", "100"]  # fmt: skip
-    result = torchrun(4, SCRIPT, args, timeout_s=400)
-    ended = time.time()
+    out, launch = stalls["stopped_in_flight"]
+    result = launch.result()
     assert result.returncode != 0
     stopped = float(re.search(r"rank 3 stopping at ([\d.]+)", result.stdout).group(1))
-    assert ended - stopped < 10 + 60, result.stdout[-3000:]
+    assert launch.ended_at - stopped < 10 + 60, result.stdout[-3000:]
     assert re.search(
         r"an exchange across federation groups failed at step [48]: another group stopped answering \(no reply "
         r"within fed_timeout_s=10 seconds\)",
         result.stdout,
     )
-    assert not _processes_mentioning(str(tmp_path))
+    assert not _processes_mentioning(str(out))
 
 
 def test_diverged_group_restarts_from_the_others_and_all_diverged_stops(tmp_path):
