@@ -52,14 +52,15 @@ def start_torchrun(
 
 
 def finish(proc: subprocess.Popen, timeout_s: float) -> subprocess.CompletedProcess:
-    """Wait for a `start_torchrun` launch; raise ``TimeoutError`` (after killing it and its workers) on a hang."""
+    """Wait for a `start_torchrun` launch (or any piped process started in a session of its own); raise
+    ``TimeoutError`` (after killing it and every process below it) on a hang."""
     try:
-        out, _ = proc.communicate(timeout=timeout_s)
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         kill_tree(proc)
         out, _ = proc.communicate(timeout=60)
         raise TimeoutError(f"{proc.args} hung for {timeout_s}s; output:\n{out[-4000:]}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err or "")
 
 
 class Background:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ..launch import REPO
+from ..launch import REPO, finish
 
 RECIPES = REPO / "recipes"
 CONFIGS = REPO / "accelerate_configs"
@@ -115,42 +115,68 @@ def test_accelerate_configs_are_valid(config):
     assert yaml.safe_load(text)["num_processes"] == (4 if config.endswith("_cpu.yaml") else 16)
 
 
-@pytest.mark.parametrize("script", ["pretrain_clm.py", "finetune_lora.py", "sft_trl.py"])
-def test_help_documents_every_argument(script):
-    result = run([sys.executable, RECIPES / script, "--help"], 120)
+HELP = """
+import runpy, sys
+for script in sys.argv[1:]:
+    sys.argv = [script, "--help"]
+    print(f"==== {script}", flush=True)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit:
+        print(f"==== exit {exit.code}", flush=True)
+"""
+
+
+def test_help_documents_every_argument():
+    """Each recipe's ``--help`` as ``python recipe.py --help`` runs it (one interpreter for the three: its start-up
+    is most of the cost), exits 0 and lists the federation and data settings."""
+    scripts = ["pretrain_clm.py", "finetune_lora.py", "sft_trl.py"]
+    result = run([sys.executable, "-c", HELP, *(RECIPES / s for s in scripts)], 120)
     assert result.returncode == 0, result.stderr
-    length = "--max_length" if script == "sft_trl.py" else "--block_size"
-    for name in ("--fed_group_size", "--fed_sync_steps", "--dataset_name", length, "--model_size"):
-        assert name in result.stdout
+    helps = result.stdout.split("==== ")[1:]
+    assert len(helps) == 2 * len(scripts), result.stdout[-3000:]
+    for script, text, status in zip(scripts, helps[::2], helps[1::2], strict=True):
+        assert text.startswith(str(RECIPES / script)) and status.strip() in ("exit 0", "exit None"), (script, status)
+        length = "--max_length" if script == "sft_trl.py" else "--block_size"
+        for name in ("--fed_group_size", "--fed_sync_steps", "--dataset_name", length, "--model_size"):
+            assert name in text, (script, name)
 
 
-def recipe_error(tmp_path: Path, args: list) -> str:
-    """Run the pre-training recipe on one process; it must fail with one `error:` line and write nothing."""
-    out = tmp_path / "out"
-    result = run([sys.executable, RECIPES / "pretrain_clm.py", "--output_dir", out, "--report_to", "none", *args])
+BAD_INPUT = {  # name: (arguments, the error line's start); one process each, started together
+    "dataset": (["--dataset_name", "no_such_dataset_hf_fedshard"],
+                "error: --dataset_name=no_such_dataset_hf_fedshard could"),
+    "train_file": (["--train_file", "missing.txt"], "error: --train_file/--validation_file missing.txt does not exist"),
+    "model_size": (["--model_size", "huge"], "error: argument --model_size/--model-size: invalid choice: 'huge'"),
+    "block_size": (["--train_file", "{text}", "--validation_file", "{text}", "--block_size", "512", "--vocab_size",
+                    "300"], "error: --block_size=512 is larger than the whole train split"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def recipe_errors(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """The pre-training recipe on one process with each of `BAD_INPUT` (all at once: most of each is start-up):
+    every output folder and result."""
+    root = tmp_path_factory.mktemp("bad_input")
+    text = root / "short.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 3)
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    started = {}
+    for name, (args, _) in BAD_INPUT.items():
+        out = root / name / "out"
+        cmd = [sys.executable, RECIPES / "pretrain_clm.py", "--output_dir", out, "--report_to", "none",
+               *(str(a).format(text=text) for a in args)]  # fmt: skip
+        started[name] = out, subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    return {name: (out, finish(proc, 300)) for name, (out, proc) in started.items()}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUT))
+def test_bad_input_ends_with_one_clear_line_and_writes_nothing(recipe_errors, name):
+    out, result = recipe_errors[name]
     assert result.returncode != 0
     assert not out.exists() or not any(out.iterdir()), "nothing half-written in the output folder"
-    last = result.stderr.strip().splitlines()[-1]
     assert "Traceback" not in result.stderr
-    return last
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--dataset_name", "no_such_dataset_hf_fedshard"], "error: --dataset_name=no_such_dataset_hf_fedshard could"),
-        (["--train_file", "missing.txt"], "error: --train_file/--validation_file missing.txt does not exist"),
-        (["--model_size", "huge"], "error: argument --model_size/--model-size: invalid choice: 'huge'"),
-    ],
-)
-def test_bad_input_ends_with_one_clear_line(tmp_path, args, message):
-    assert message in recipe_error(tmp_path, args)
-
-
-def test_block_size_larger_than_the_text(tmp_path):
-    text = tmp_path / "short.txt"
-    text.write_text("To be, or not to be, that is the question.\n" * 3)
-    args = ["--train_file", text, "--validation_file", text, "--block_size", "512", "--vocab_size", "300"]
-    line = recipe_error(tmp_path, args)
-    assert "error: --block_size=512 is larger than the whole train split" in line
-    assert "Lower --block_size" in line
+    last = result.stderr.strip().splitlines()[-1]
+    assert BAD_INPUT[name][1] in last, result.stderr[-3000:]
+    if name == "block_size":
+        assert "Lower --block_size" in last
