@@ -5,11 +5,14 @@ A hang fails the test instead of blocking CI: the launcher and every process bel
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,22 +36,57 @@ def start_torchrun(
 ) -> subprocess.Popen:
     """Start ``script`` on ``nproc`` local CPU ranks (output piped); `finish` waits for it.
 
-    ``preloaded`` forks the workers from a launcher that has imported the libraries once (tests/preloaded_torchrun.py);
-    False starts each in a fresh interpreter, as plain torchrun does (every launch does with
-    ``HF_FEDSHARD_PLAIN_TORCHRUN=1``).
+    ``preloaded`` forks the launcher from the session's launch server and the workers from the launcher, both of which
+    imported the libraries once (tests/preloaded_torchrun.py); False starts each in a fresh interpreter, as plain
+    torchrun does (every launch does with ``HF_FEDSHARD_PLAIN_TORCHRUN=1``).
 
     With ``max_restarts``, torchrun restarts the whole job after a failure; its rendezvous store is then not
     shared with the workers, whose restarted process groups would otherwise read the dead ones' addresses
     (pytorch/pytorch#135712), as docs/fault_tolerance.md tells users to do.
     """
     preloaded = preloaded and os.environ.get("HF_FEDSHARD_PLAIN_TORCHRUN") != "1"
-    launcher = [str(REPO / "tests" / "preloaded_torchrun.py")] if preloaded else ["-m", "torch.distributed.run"]
-    cmd = [sys.executable, *launcher, "--standalone", f"--nproc_per_node={nproc}",
-           f"--max-restarts={max_restarts}", str(script), *map(str, args)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1" if max_restarts else "0", "PYTHONPATH": str(REPO)}  # fmt: skip
+    torchrun_args = ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", str(script),
+                     *map(str, args)]  # fmt: skip
+    env = launch_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1" if max_restarts else "0")
+    if preloaded:
+        server, env["HF_FEDSHARD_LAUNCH_PIDS"] = _launch_server()
+        cmd = [sys.executable, "-S", str(REPO / "tests" / "launch_client.py"), server, *torchrun_args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """The environment of every launch: one thread per rank, unbuffered output, this checkout first on the path."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": str(REPO), **extra}  # fmt: skip
+
+
+_SERVER: dict = {}  # the session's launch server: "proc", "socket", "pids" (the clients' launcher pids)
+
+
+def _launch_server() -> tuple[str, str]:
+    """The socket of this session's ``tests/preloaded_torchrun.py --serve`` (started at the first launch, once: the
+    libraries are imported once per session), and the folder where each client records its launcher's pid."""
+    if "proc" not in _SERVER or _SERVER["proc"].poll() is not None:
+        folder = tempfile.mkdtemp(prefix="hf_fedshard-launch-")
+        socket_path, pids = os.path.join(folder, "server.sock"), os.path.join(folder, "pids")
+        os.mkdir(pids)
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "preloaded_torchrun.py"), "--serve", socket_path],
+                                cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)  # fmt: skip
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("tests/preloaded_torchrun.py --serve did not start; its error is above")
+        atexit.register(_stop_server, proc, folder)
+        _SERVER.update(proc=proc, socket=socket_path, pids=pids)
+    return _SERVER["socket"], _SERVER["pids"]
+
+
+def _stop_server(proc: subprocess.Popen, folder: str) -> None:
+    proc.kill()
+    proc.wait(timeout=30)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def finish(proc: subprocess.Popen, timeout_s: float) -> subprocess.CompletedProcess:
@@ -107,12 +145,17 @@ def torchrun(
 
 
 def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children first), read from /proc."""
+    """Every process below ``pid`` (children first), read from /proc; a launch client's launcher (a child of the
+    launch server, recorded by the client) counts as the client's child."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
             children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    if "pids" in _SERVER:
+        for record in Path(_SERVER["pids"]).iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                children.setdefault(int(record.name), []).append(int(record.read_text()))
     found, todo = [], [pid]
     while todo:
         kids = children.get(todo.pop(), [])

@@ -17,16 +17,28 @@ it too), so an upgrade that moves them fails loudly; ``HF_FEDSHARD_PLAIN_TORCHRU
 torchrun (fresh interpreters, slower) until the launcher is adapted.
 
     python tests/preloaded_torchrun.py --standalone --nproc_per_node 4 /abs/path/script.py --arg value
+
+Even that import (about 6 CPU-seconds for the launcher itself) is paid once per test session: with ``--serve PATH``
+the launcher imports once and waits on a Unix socket; each launch is then ``python tests/launch_client.py PATH
+torchrun-args…``, a stdlib-only client that hands its argv, environment, folder and stdin/stdout/stderr to the
+server, which forks a launcher for it (in a session of its own) and sends back its pid and its exit status. The
+server forks from a clean state (nothing but the imports has run in it), never from the pytest process.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
 import os
 import runpy
+import select
 import signal
+import socket
+import struct
 import sys
 import threading
+import traceback
 
 import torch.distributed.run
 from accelerate import Accelerator  # noqa: F401 (preloaded for the workers)
@@ -71,9 +83,87 @@ def run_script(path: str, *args: str) -> None:
         atexit._run_exitfuncs()
 
 
+def launch(argv: list[str]) -> int:
+    """torchrun's own main, its workers forked from this process; the exit status python would give it."""
+    torch.distributed.run.run_script_path = run_script  # what --run-path runs in each worker
+    try:
+        torch.distributed.run.main(["--run-path", "--start-method", "fork", *argv])
+    except SystemExit as exit:
+        return exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    """A request of `tests/launch_client.py`: its length-prefixed JSON (argv, env, cwd, client pid) and its 3 fds."""
+    head, fds, _, _ = socket.recv_fds(conn, 8, 3)
+    (size,) = struct.unpack("!Q", head)
+    body = b""
+    while len(body) < size:
+        body += conn.recv(size - len(body))
+    return json.loads(body), fds
+
+
+def _start(conn: socket.socket, server: socket.socket) -> int:
+    """Fork a launcher for one request; in the child, become what ``python preloaded_torchrun.py argv`` would be."""
+    request, fds = _receive(conn)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(f"{pid}\n".encode())
+        return pid
+    code = 1
+    try:
+        server.close()
+        conn.close()
+        os.setsid()  # the client's session is not ours: a launch is killed by its process tree (tests.launch)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [__file__, *request["argv"]]
+        code = launch(request["argv"])
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(path: str) -> None:
+    """Accept launches on the Unix socket ``path`` until the parent (the test session) is gone."""
+    parent = os.getppid()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(16)
+    print("ready", flush=True)
+    clients: dict[int, socket.socket] = {}  # launcher pid: its client's connection
+    while os.getppid() == parent:
+        if select.select([server], [], [], 0.1)[0]:
+            conn, _ = server.accept()
+            clients[_start(conn, server)] = conn
+        while clients:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                break
+            conn = clients.pop(pid)
+            with contextlib.suppress(OSError):
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            conn.close()
+
+
 if __name__ == "__main__":
     require_internals()
-    if "torchft" in sys.argv:
-        import torchft  # noqa: F401 (preloaded for the workers of a torchft launch)
-    torch.distributed.run.run_script_path = run_script  # what --run-path runs in each worker
-    torch.distributed.run.main(["--run-path", "--start-method", "fork", *sys.argv[1:]])
+    if "torchft" in sys.argv or sys.argv[1:2] == ["--serve"]:
+        with contextlib.suppress(ImportError):  # the [elastic] extra
+            import torchft  # noqa: F401 (preloaded for the workers of a torchft launch)
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2])
+    else:
+        sys.exit(launch(sys.argv[1:]))

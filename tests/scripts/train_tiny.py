@@ -13,7 +13,7 @@ job restarted by ``torchrun --max-restarts`` runs clean:
 
     --kill_at_step 5 --fault_rank 1            SIGKILL rank 1 as step 5 begins (--fault_group G: group G's only)
     --kill_while_saving_step 4 --fault_rank 1  SIGKILL rank 1 after it wrote its shards of checkpoint-4
-    --stop_at_step 5 --fault_rank 3            SIGSTOP rank 3 as step 5 begins (prints "stopping at <time>" first)
+    --stop_at_step 5 --fault_rank 3            SIGSTOP rank 3 as step 5 begins (prints its pid and "stopping at <time>")
     --sleep_group 1 --sleep_at_step 2          group 1 sleeps --sleep_s seconds as step 2 begins
     --nan_at 3:1 5:0,1                         a NaN in group 1's first shard after step 3, in both after 5
     --hold_at_step 10 --hold_until F           wait as step 10 begins until file F exists (--restart_marker F:
@@ -161,7 +161,7 @@ class Faults(TrainerCallback):
         if step == self.script.kill_at_step and self.rank == self.script.fault_rank:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == self.script.stop_at_step and self.rank == self.script.fault_rank:
-            print(f"rank {self.rank} stopping at {time.time()}", flush=True)
+            print(f"rank {self.rank} (pid {os.getpid()}) stopping at {time.time()}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
         if step == self.script.sleep_at_step and self.group == self.script.sleep_group:
             time.sleep(self.script.sleep_s)
