@@ -41,12 +41,15 @@ def ddp_4_ranks(tmp_path_factory):
 # ---- The suite's budget: CI's log shows where the time goes ----
 
 _seconds_by_folder: dict[str, float] = {}
+_seconds_by_test: dict[str, float] = {}
+LONG_TEST_S = 60  # a test over this says in its docstring why it needs the time
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Add each test's setup, call and teardown time to its folder (a session fixture counts where it is built)."""
     folder = report.nodeid.split("/")[1] if report.nodeid.startswith("tests/") else "other"
     _seconds_by_folder[folder] = _seconds_by_folder.get(folder, 0.0) + report.duration
+    _seconds_by_test[report.nodeid] = _seconds_by_test.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -54,3 +57,6 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if _seconds_by_folder:
         parts = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in sorted(_seconds_by_folder.items()))
         terminalreporter.write_line(f"time per folder: {parts} (budget: 1,800 s in all on CI's 2 cores)")
+    for nodeid, seconds in sorted(_seconds_by_test.items(), key=lambda item: -item[1]):
+        if seconds > LONG_TEST_S:
+            terminalreporter.write_line(f"over {LONG_TEST_S} s ({seconds:.0f} s; its docstring says why): {nodeid}")
