@@ -55,11 +55,15 @@ def test_a_recorded_epoch_position_wins_over_the_step():
     assert data_position({**saved, "epoch_samples": 60}, 10, 8, 8) == DataPosition(1, 0, 0, 0)  # 8 steps: the end
 
 
-def resuming_trainer(record: dict, step: int, gradient_accumulation_steps: int = 1) -> FedShardTrainer:
+def resuming_trainer(
+    record: dict, step: int, gradient_accumulation_steps: int = 1, ignore_data_skip: bool = False
+) -> FedShardTrainer:
     """A `FedShardTrainer` with only what its data-position hooks read: a resume of ``record`` (``fed_layout.json``)
     written at ``step``, onto another layout."""
     trainer = FedShardTrainer.__new__(FedShardTrainer)
-    trainer.args = SimpleNamespace(gradient_accumulation_steps=gradient_accumulation_steps, should_log=False)
+    trainer.args = SimpleNamespace(
+        gradient_accumulation_steps=gradient_accumulation_steps, should_log=False, ignore_data_skip=ignore_data_skip
+    )
     trainer._resume_record, trainer._layout_change, trainer._resumed_position = (record, step), None, None
     return trainer
 
@@ -159,3 +163,13 @@ def test_an_exchange_in_flight_is_dropped_and_the_next_delta_covers_both_windows
         assert changed == [False, False, False, False]  # step 5 applies nothing; step 8's exchange is in flight
         for delta, a, p in zip(deltas, anchor, local, strict=True):  # Δ taken at step 8 against step 0's anchor
             assert torch.equal(delta, a - p.float())
+
+
+def test_ignore_data_skip_starts_the_resumed_epoch_from_its_beginning(monkeypatch):
+    """As with Trainer: ``--ignore_data_skip`` skips no batch of the resumed epoch (the epoch is still the record's)."""
+    trainer = resuming_trainer({**SAVED, "epoch": 0, "epoch_samples": 16}, 2, 4, ignore_data_skip=True)
+    plain = (99, 10, 60, 120, 6, 40, 20)
+    monkeypatch.setattr(Trainer, "set_initial_training_values", lambda self, args, dataloader: plain)
+    monkeypatch.setattr(Trainer, "_init_training_state", lambda self, *args, **kwargs: (99, 0))
+    trainer.set_initial_training_values(trainer.args, list(range(40)))
+    assert trainer._init_training_state(20, 10, 3, "checkpoint-2", None) == (0, 0)
