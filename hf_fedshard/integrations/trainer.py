@@ -373,6 +373,8 @@ class FedShardMixin(Trainer):
                 mean_of_old_groups(change),
                 change.saved["samples_per_step"], self._data_arithmetic["samples_per_step"], position.describe(),
             )  # fmt: skip
+        if self.args.ignore_data_skip:  # as Trainer: the resumed epoch starts from its beginning
+            return position.epoch, 0
         return position.epoch, position.steps * self.args.gradient_accumulation_steps
 
     # ---- fed_transport torchft: groups that join and leave ----

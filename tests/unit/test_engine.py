@@ -19,7 +19,7 @@ from torch import nn
 from hf_fedshard import FederatedAverager
 from hf_fedshard.engine import FederationCommunicator
 from hf_fedshard.engine.fragments import Schedule
-from hf_fedshard.engine.pieces import GroupShape
+from hf_fedshard.engine.pieces import GroupShape, PieceExchange
 from hf_fedshard.errors import ConfigError
 
 from ..asserts import labelled
@@ -80,7 +80,7 @@ def engine_run(
             averager.finish()
         return [t.detach().clone() for t in (*model.parameters(), model.stat)], averager, optimizer, comm
 
-    return run_federation(GROUPS, rank_fn)
+    return run_federation(GROUPS, rank_fn, pieces=pieces)
 
 
 class Reference:
@@ -235,6 +235,14 @@ def reference_for(options: dict) -> Reference:
     )
 
 
+def assert_exchanged_by(results: list, pieces: bool) -> None:
+    """Every group's Δ went through `PieceExchange` (``pieces``: groups described as groups of unequal size are) or
+    through the equal groups' `Exchange`, and the exchange communicator carried it."""
+    for g, (_, averager, _, comm) in enumerate(results):
+        assert isinstance(averager.exchange, PieceExchange) == pieces, f"group {g}: {type(averager.exchange).__name__}"
+        assert comm.exchange.calls > 0, f"group {g}: no exchange collective"
+
+
 def assert_groups_equal_reference(results: list, expected: list[list[torch.Tensor]]) -> None:
     for g, (state, *_) in enumerate(results):
         for i, (got, want) in enumerate(zip(state, expected[g], strict=True)):
@@ -258,6 +266,7 @@ def test_the_exchange_of_unequal_groups_follows_the_same_rule_where_the_groups_w
     """`hf_fedshard.engine.pieces` (groups of unequal size) with groups of equal weight: in fp32 its rule is the
     equal groups' rule, so every fragment, overlap, outer optimizer and buffer must land on the same bits."""
     results = engine_run(10, pieces=True, **options)
+    assert_exchanged_by(results, pieces=True)
     assert_groups_equal_reference(results, reference_for(options).run(10))
 
 
@@ -267,6 +276,7 @@ def test_a_diverged_group_is_left_out_and_restarted(options, pieces):
     """Group 1 gets a NaN at step 3; the averaging of step 4 divides by the 2 contributing groups, group 1 takes
     their mean (overlapped: at the apply, step 5), and its optimizer momentum is zeroed."""
     results = engine_run(8, nan_at=(1, 3), pieces=pieces, **options)
+    assert_exchanged_by(results, pieces)
     assert_groups_equal_reference(results, reference_for(options).run(8, nan_at=(1, 3)))
     assert [r[1].counters.diverged_groups for r in results] == [1, 1, 1]
     assert [r[1].diverged_at_step for r in results] == [4 + options.get("sync_overlap", 0)] * 3

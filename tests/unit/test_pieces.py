@@ -2,6 +2,10 @@
 
 Every group holds each tensor as FSDP2 would (``Shard(0)`` by ``torch.chunk`` over its shard ranks, on each of its
 replicas; buffers whole on every rank); the tests pin the weighted rule on the whole tensors, not on the pieces.
+
+The weights are written here, never read from `GroupShape.weight` (the code under test): the module docstring's w_g is
+the group's number of ranks (shard ranks × replicas), so ``fed_group_size 4,2,2`` weighs 4, 2, 2 and its mean divides
+by 8, or by 6 with the second group left out. Uniform weights, or a divisor that counts groups, fail here.
 """
 
 from __future__ import annotations
@@ -47,12 +51,13 @@ def local(full: torch.Tensor, shape: GroupShape, rank: int, sharded: bool) -> to
     return chunks[shard].clone() if shard < len(chunks) else full[:0].clone()
 
 
-def exchange(sizes, shard, sync_dtype, contribute=None, plain=False):
-    """Every rank's (means, bytes sent) of the tensors of `TENSORS`; ``contribute[g]`` False: group g sends zeros."""
+def exchange(sizes, shard, sync_dtype, weights, contribute=None, plain=False):
+    """Every rank's (means, bytes sent) of the tensors of `TENSORS`; ``contribute[g]`` False: group g sends zeros.
+    ``weights``: the groups' weights the test expects, whose sum over the contributing groups is passed as W."""
     groups = layout(sizes, shard)
     addresses = [Address(r * c, r, sharded) for r, c, sharded in TENSORS]
     contribute = contribute or [True] * len(groups)
-    weight = sum(g.weight for g, c in zip(groups, contribute, strict=True) if c)
+    weight = sum(w for w, c in zip(weights, contribute, strict=True) if c)
 
     def rank_fn(world):
         group = next(g for g, shape in enumerate(groups) if world.rank() in shape.ranks)
@@ -71,37 +76,55 @@ def exchange(sizes, shard, sync_dtype, contribute=None, plain=False):
     return groups, run_ranks(sum(sizes), rank_fn)
 
 
-def expected(groups, index, contribute=None, sync_dtype="float32") -> torch.Tensor:
-    """Σ_g w_g · x_g / W in group order, in fp32 (bf16: each x_g and the mean rounded elementwise)."""
-    contribute = contribute or [True] * len(groups)
+def expected(weights, index, contribute=None, sync_dtype="float32") -> torch.Tensor:
+    """Σ_g w_g · x_g / W in group order, in fp32 (bf16: each x_g and the mean rounded elementwise); ``weights``: the
+    hard-coded w_g, W their sum over the contributing groups."""
+    contribute = contribute or [True] * len(weights)
     total = torch.zeros_like(whole(0, index))
-    for g, shape in enumerate(groups):
+    for g, w in enumerate(weights):
         x = whole(g, index) if contribute[g] else torch.zeros_like(total)
         if sync_dtype == "bfloat16":
             x = x.bfloat16().float()
-        total += shape.weight * x
-    mean = total / sum(s.weight for s, c in zip(groups, contribute, strict=True) if c)
+        total += w * x
+    mean = total / sum(w for w, c in zip(weights, contribute, strict=True) if c)
     return mean.bfloat16().float() if sync_dtype == "bfloat16" else mean
 
 
-@pytest.mark.parametrize(
-    "sizes, shard", [([4, 2, 2], None), ([4, 2, 2], 2), ([3, 1], None), ([2, 2], None), ([1, 3, 2], 1)]
-)
+# (sizes, shard size, the weights w_g = each group's ranks: replicas × shards, written out)
+WEIGHTED = [
+    ([4, 2, 2], None, [4, 2, 2]),
+    ([4, 2, 2], 2, [4, 2, 2]),  # group 0: 2 replicas of 2 shards, still 4 ranks' samples
+    ([3, 1], None, [3, 1]),
+    ([2, 2], None, [2, 2]),  # equal weights, W = 4: weights of 1 would halve the mean
+    ([1, 3, 2], 1, [1, 3, 2]),  # FL+HSDP: every rank a replica of the whole model
+]
+
+
+def test_a_group_weighs_its_ranks_replicas_included():
+    """w_g counts the samples a group reads per step: one batch per rank, shard ranks and replicas alike."""
+    assert GroupShape((0, 1, 2, 3), 4).weight == 4
+    assert GroupShape((0, 1, 2, 3), 2).weight == 4  # 2 replicas of 2 shards
+    assert GroupShape((5,), 1).weight == 1
+
+
+@pytest.mark.parametrize("sizes, shard, weights", WEIGHTED)
 @pytest.mark.parametrize("sync_dtype", ["float32", "bfloat16"])
-def test_every_rank_gets_the_weighted_mean_of_the_whole_tensors_to_the_bit(sizes, shard, sync_dtype, monkeypatch):
+def test_every_rank_gets_the_weighted_mean_of_the_whole_tensors_to_the_bit(
+    sizes, shard, weights, sync_dtype, monkeypatch
+):
     monkeypatch.setattr(pieces, "SPLIT_VALUES", 64)  # cut the large pieces G ways, as a real model's are
-    groups, results = exchange(sizes, shard, sync_dtype)
+    groups, results = exchange(sizes, shard, sync_dtype, weights)
     for rank, (group, means, _) in enumerate(results):
         for i, (_, _, sharded) in enumerate(TENSORS):
-            want = local(expected(groups, i, sync_dtype=sync_dtype), groups[group], rank, sharded)
+            want = local(expected(weights, i, sync_dtype=sync_dtype), groups[group], rank, sharded)
             assert torch.equal(means[i], want), f"rank {rank}, tensor {i}"
 
 
 def test_int8_groups_decode_the_same_bytes_and_stay_within_the_codec_error(monkeypatch):
     monkeypatch.setattr(pieces, "SPLIT_VALUES", 64)
-    groups, results = exchange([4, 2, 2], None, "int8")
+    groups, results = exchange([4, 2, 2], None, "int8", [4, 2, 2])
     for i, (_, _, sharded) in enumerate(TENSORS):
-        want = expected(groups, i)
+        want = expected([4, 2, 2], i)
         assembled = {}
         for rank, (group, means, _) in enumerate(results):
             got = means[i]
@@ -119,10 +142,12 @@ def test_int8_groups_decode_the_same_bytes_and_stay_within_the_codec_error(monke
 
 
 def test_a_group_that_sends_zeros_is_left_out_of_the_weights():
-    groups, results = exchange([4, 2, 2], None, "float32", contribute=[True, False, True])
+    """Weights 4, 2, 2 with the second group out: (4 x_0 + 2 x_2) / 6."""
+    groups, results = exchange([4, 2, 2], None, "float32", [4, 2, 2], contribute=[True, False, True])
     for rank, (group, means, _) in enumerate(results):
-        want = local(expected(groups, 1, contribute=[True, False, True]), groups[group], rank, True)
-        assert torch.equal(means[1], want)
+        for i, (_, _, sharded) in enumerate(TENSORS):
+            want = local((4 * whole(0, i) + 2 * whole(2, i)) / 6, groups[group], rank, sharded)
+            assert torch.equal(means[i], want), (rank, i)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -141,15 +166,15 @@ def test_plain_mean_replaces_in_place_summing_in_fp32_or_wider(dtype):
     for rank, (group, tensors) in enumerate(run_ranks(4, rank_fn)):
         for i, (_, _, sharded) in enumerate(TENSORS):
             total = torch.zeros_like(whole(0, i), dtype=wide)
-            for g, shape in enumerate(groups):
-                total += shape.weight * whole(g, i, dtype).to(wide)
+            for g, w in enumerate((3, 1)):  # each group's ranks
+                total += w * whole(g, i, dtype).to(wide)
             want = local((total / 4).to(dtype), groups[group], rank, sharded)
             assert tensors[i].dtype == dtype and torch.equal(tensors[i], want), (rank, i)
 
 
 def test_each_piece_is_sent_once_per_group_and_the_bytes_are_the_groups_payload():
     """The bytes a group's ranks count are its payload once: the model's size, whatever its shards or replicas."""
-    _, results = exchange([4, 2, 2], 2, "float32")
+    _, results = exchange([4, 2, 2], 2, "float32", [4, 2, 2])
     numel = sum(r * c for r, c, _ in TENSORS)
     for g in range(3):
         assert sum(sent for group, _, sent in results if group == g) == 4 * numel

@@ -1,15 +1,25 @@
 """Resuming a federated checkpoint on another layout (hf_fedshard.checkpointing.reshard), in process: the data
-arithmetic and the outer state held by parameter. The real resumes are tests/distributed/test_reshard.py.
+arithmetic and the outer state held by parameter. The real resumes are tests/distributed/test_reshard.py; the
+resharded mean of the models and moments is tests/unit/test_checkpoint_rules.py.
+
+The data arithmetic is pinned end to end in process: `data_position` at the epoch's edges (one new step left, none
+left, the record's position rounded up), then what `FedShardTrainer` hands Trainer from it: the batches Trainer
+skips in the resumed epoch (the new steps × gradient_accumulation_steps) and the epochs it runs to reach max_steps.
+An off-by-one in any of them reads a sample twice or skips a step's samples, which only the torchrun resumes saw.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from transformers import Trainer
 
 from hf_fedshard import FederatedAverager
 from hf_fedshard.checkpointing.reshard import DataPosition, data_position
 from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat
+from hf_fedshard.integrations.trainer import FedShardTrainer
 
 from ..fake_communicator import run_federation
 from .test_engine import build, train_step
@@ -24,6 +34,10 @@ SAVED = {"samples_per_step": 8, "steps_per_epoch": 8, "num_groups": 2}  # a reco
         (4, 4, 16, DataPosition(0, 32, 8, 0)),  # a whole number of new steps: nothing skipped
         (10, 6, 10, DataPosition(1, 16, 3, 2)),  # epoch 1 (8 steps per epoch then), 2 steps into it
         (7, 16, 4, DataPosition(1, 0, 0, 0)),  # 56 of epoch 0 read: 4 steps of 16 would pass its end
+        (7, 8, 8, DataPosition(0, 56, 7, 0)),  # one step of 8 left in the epoch: read in it, not skipped
+        (6, 6, 10, DataPosition(0, 48, 8, 0)),  # 48 read: exactly 8 steps of 6, 2 steps left in the epoch
+        (8, 6, 10, DataPosition(1, 0, 0, 0)),  # the end of epoch 0: epoch 1 from its beginning
+        (17, 6, 10, DataPosition(2, 8, 2, 4)),  # epoch 2, 1 step in: 8 read, 2 steps of 6 cover them
     ],
 )
 def test_the_data_resumes_after_the_samples_read_rounded_up_to_new_steps(
@@ -37,6 +51,48 @@ def test_a_recorded_epoch_position_wins_over_the_step():
     says 24 samples, the record 30; resumed on the same layout, 5 steps of 6."""
     saved = {**SAVED, "samples_per_step": 6, "steps_per_epoch": 10, "epoch": 0, "epoch_samples": 30}
     assert data_position(saved, 4, 6, 10) == DataPosition(0, 30, 5, 0)
+    assert data_position(saved, 4, 8, 8) == DataPosition(0, 30, 4, 2)  # on batches of 8: 4 steps, 2 not read
+    assert data_position({**saved, "epoch_samples": 60}, 10, 8, 8) == DataPosition(1, 0, 0, 0)  # 8 steps: the end
+
+
+def resuming_trainer(
+    record: dict, step: int, gradient_accumulation_steps: int = 1, ignore_data_skip: bool = False
+) -> FedShardTrainer:
+    """A `FedShardTrainer` with only what its data-position hooks read: a resume of ``record`` (``fed_layout.json``)
+    written at ``step``, onto another layout."""
+    trainer = FedShardTrainer.__new__(FedShardTrainer)
+    trainer.args = SimpleNamespace(
+        gradient_accumulation_steps=gradient_accumulation_steps, should_log=False, ignore_data_skip=ignore_data_skip
+    )
+    trainer._resume_record, trainer._layout_change, trainer._resumed_position = (record, step), None, None
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "epochs"),
+    [
+        (20, 3),  # 7 steps left in epoch 0, then 10 in epoch 1, then 1 in epoch 2
+        (9, 1),  # the 7 steps left in epoch 0 reach it
+        (10, 2),  # one step more: epoch 1 too
+        (19, 2),  # 7 + 10: epoch 1 ends on it
+    ],
+)
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_trainer_skips_the_new_steps_batches_and_runs_the_epochs_that_reach_max_steps(
+    monkeypatch, max_steps, epochs, accumulation
+):
+    """Step 2 of a layout of 8 samples per step, resumed on 6 samples per step, 10 steps per epoch: 16 samples
+    read, 3 new steps cover them. Trainer skips 3 × gradient_accumulation_steps batches of epoch 0 (its counts are
+    in batches), and runs epochs 0 up to ``epochs`` − 1 to reach ``max_steps`` (Trainer's own values, from the step,
+    would be wrong on the new layout: here 99)."""
+    trainer = resuming_trainer({**SAVED, "epoch": 0, "epoch_samples": 16}, 2, accumulation)
+    batches = 10 * accumulation
+    plain = (99, 10, 60, 6 * max_steps, 6, batches, max_steps)  # epochs, steps/epoch, ..., world batch, batches, max
+    monkeypatch.setattr(Trainer, "set_initial_training_values", lambda self, args, dataloader: plain)
+    monkeypatch.setattr(Trainer, "_init_training_state", lambda self, *args, **kwargs: (99, 99))
+    values = trainer.set_initial_training_values(trainer.args, list(range(batches)))
+    assert values == (epochs, *plain[1:])
+    assert trainer._init_training_state(max_steps, 10, epochs, "checkpoint-2", None) == (0, 3 * accumulation)
 
 
 def test_outer_state_by_parameter_is_cut_at_this_averagers_fragments():
@@ -107,3 +163,13 @@ def test_an_exchange_in_flight_is_dropped_and_the_next_delta_covers_both_windows
         assert changed == [False, False, False, False]  # step 5 applies nothing; step 8's exchange is in flight
         for delta, a, p in zip(deltas, anchor, local, strict=True):  # Δ taken at step 8 against step 0's anchor
             assert torch.equal(delta, a - p.float())
+
+
+def test_ignore_data_skip_starts_the_resumed_epoch_from_its_beginning(monkeypatch):
+    """As with Trainer: ``--ignore_data_skip`` skips no batch of the resumed epoch (the epoch is still the record's)."""
+    trainer = resuming_trainer({**SAVED, "epoch": 0, "epoch_samples": 16}, 2, 4, ignore_data_skip=True)
+    plain = (99, 10, 60, 120, 6, 40, 20)
+    monkeypatch.setattr(Trainer, "set_initial_training_values", lambda self, args, dataloader: plain)
+    monkeypatch.setattr(Trainer, "_init_training_state", lambda self, *args, **kwargs: (99, 0))
+    trainer.set_initial_training_values(trainer.args, list(range(40)))
+    assert trainer._init_training_state(20, 10, 3, "checkpoint-2", None) == (0, 0)
