@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.faults import descendants
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
 
@@ -62,7 +64,7 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> subprocess.CompletedProc
 
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a launch and every process below it (torchrun starts each worker in a session of its own)."""
-    for pid in [proc.pid, *_descendants(proc.pid)]:
+    for pid in [proc.pid, *descendants(proc.pid)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
@@ -77,21 +79,6 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` local CPU ranks; raise ``TimeoutError`` (after killing it) on a hang."""
     return finish(start_torchrun(nproc, script, args, max_restarts, preloaded), timeout_s)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children first), read from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 def train_tiny(nproc: int, out_dir: Path, args: list[str], timeout_s: float = 240, max_restarts: int = 0) -> list[dict]:
