@@ -18,6 +18,7 @@ from benchmarks.harness.faults import descendants
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
+STUDIES = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem != "__init__")  # python -m benchmarks.X
 
 # Settings shared by every check run: deterministic plain SGD, quiet logs, no files but the dumps.
 SGD = [
