@@ -32,7 +32,7 @@ quickstart: install
 # group ended on one global model. About 3 minutes on 2 cores.
 elastic-demo: install
 	$(PIP) install -e ".[elastic]"
-	$(PYTHON) benchmarks/elastic_demo.py
+	$(PYTHON) -m benchmarks.elastic_demo
 
 test: install-dev
 	$(PYTHON) -m pytest -q

@@ -1,6 +1,6 @@
 """A torchft federation loses a group mid-run and takes it back; printed as a timeline (``make elastic-demo``).
 
-    python benchmarks/elastic_demo.py            # what `make elastic-demo` runs, on CPU, about 2-3 minutes here
+    python -m benchmarks.elastic_demo            # what `make elastic-demo` runs, on CPU, about 2-3 minutes here
 
 A Lighthouse (``python -m hf_fedshard.lighthouse --min_groups 1``) and 3 federation groups × 2 CPU ranks, each
 group its own ``torchrun`` (``--fed_transport torchft``), train a tiny Llama (the ``micro`` preset, built from its
@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import progress  # noqa: E402
-from benchmarks.harness.faults import Localhost, kill_tree, start_lighthouse, torchrun  # noqa: E402
-from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data  # noqa: E402
+from benchmarks.harness import progress
+from benchmarks.harness.faults import Localhost, kill_tree, start_lighthouse, torchrun
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data
+from benchmarks.harness.study import new_parser
 
 
 @dataclass
@@ -213,7 +209,7 @@ def report(run: DemoRun) -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = new_parser(__doc__)
     p.add_argument("--max-steps", type=int, default=DemoConfig.max_steps, help="Steps of every group.")
     p.add_argument("--restart-after-s", type=float, default=DemoConfig.restart_after_s, help="Seconds down.")
     p.add_argument("--work", type=Path, help="Keep the logs here (default: a temporary folder).")

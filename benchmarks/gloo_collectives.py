@@ -1,6 +1,6 @@
 """Which algorithm gloo uses for each collective FSDP2 and FedAvg call, read off the inter-node link's counters.
 
-    python benchmarks/gloo_collectives.py     # as root: 2 nodes × 2 ranks, 16 MB per collective, prints a table
+    python -m benchmarks.gloo_collectives     # as root: 2 nodes × 2 ranks, 16 MB per collective, prints a table
 
 Each collective runs over the whole world of 4 ranks (2 per node); the bytes node 0's uplink sent are compared
 with a ring's (hf_fedshard.tools.cost): the ring 0-1-2-3 crosses between nodes twice, so each node sends one hop.
@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from benchmarks.harness import REPO, results_folder
+from benchmarks.harness.netns import Cluster, handle_termination
+from benchmarks.harness.study import new_parser
 
 NUMEL = 4 * 2**20  # fp32 elements: 16 MiB
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
@@ -60,8 +59,6 @@ def worker(out: Path) -> None:
 def main() -> None:
     import tempfile
 
-    from benchmarks.harness import results_folder
-    from benchmarks.harness.netns import Cluster, handle_termination
     from hf_fedshard.tools.cost import GLOO, RING, ring_hop_bytes
 
     payload = NUMEL * 4
@@ -92,7 +89,7 @@ def main() -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = new_parser(__doc__)
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # on each rank, under torchrun: where to write
     return p
 

@@ -1,8 +1,9 @@
 """Goodput under failures: a group killed every T seconds, torchft's federation of launches against a job restart.
 
-    sudo python benchmarks/goodput.py --quick      # 4 groups × 1 rank, T = 15 and 30 s, 60 s runs, under 10 minutes
-    sudo python benchmarks/goodput.py              # 4 groups × 2 ranks, T = 30, 60 and 120 s, 240 s runs, under 45
-    sudo python benchmarks/goodput.py --quick --groups 2 --run-s 20 --intervals-s 15   # smoke (tests): 1 fault a run
+    sudo python -m benchmarks.goodput --quick      # 4 groups × 1 rank, T = 15 and 30 s, 60 s runs, under 10 minutes
+    sudo python -m benchmarks.goodput              # 4 groups × 2 ranks, T = 30, 60 and 120 s, 240 s runs, under 45
+    sudo python -m benchmarks.goodput --quick --groups 2 --run-s 10 --intervals-s 8 --restart-s 2
+                                                   # the smoke the tests run: 1 fault a run, 4 runs of 10 s
 
 On the emulated cluster (benchmarks/harness/netns.py: a network namespace per group, 100 Mbit/s links between
 them), 4 federation groups train the ``micro`` Llama on Shakespeare (benchmarks/harness/bench_train.py, H = 8,
@@ -42,21 +43,15 @@ import itertools
 import os
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import faults, progress, report, results_folder  # noqa: E402
-from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.harness.faults import ClusterNodes, Fault, Hosts, Localhost, kill_tree  # noqa: E402
-from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data  # noqa: E402
-from benchmarks.harness.netns import Cluster, handle_termination  # noqa: E402
+from benchmarks.harness import faults, progress, report
+from benchmarks.harness.faults import ClusterNodes, Fault, Hosts, Localhost, kill_tree
+from benchmarks.harness.methods import BenchConfig, prepare_data
+from benchmarks.harness.netns import Cluster, handle_termination
+from benchmarks.harness.study import Study, add_folder_options, new_parser
 
 PATHS = ("torchft", "mesh")
 
@@ -424,7 +419,7 @@ def other_jobs() -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = new_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="4 groups × 1 rank, T = 15 and 30 s, 60 s runs, R = 5 s, once.")
     p.add_argument("--intervals-s", type=float, nargs="+", help="Failure intervals T (default 30 60 120; quick 15 30).")
     p.add_argument("--run-s", type=float, help="Training seconds per run (default 240; quick 60).")
@@ -433,9 +428,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-per-group", type=int, help="Ranks per group (default 2; quick 1).")
     p.add_argument("--groups", type=int, help="Federation groups (default 4); the victims are groups 1 … G-1 in turn.")
     p.add_argument("--localhost", action="store_true", help="Run on localhost even where namespaces are available.")
-    p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/goodput_<quick|full>).")
-    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
-    p.add_argument("--work", type=Path, help="Keep every run's logs here (default: a temporary folder).")
+    add_folder_options(p, "goodput", work="every run's logs")
     return p
 
 
@@ -483,18 +476,13 @@ def run_study(cfg: GoodputConfig, work: Path, data_cache: Path, localhost: bool)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
-    cfg = config_from_args(args)
-    out = args.out or results_folder("goodput", args.quick)
-    with exclusive_cores("benchmarks/goodput.py"), tempfile.TemporaryDirectory(prefix="fedshard-goodput-") as tmp:
-        started = time.time()  # after the lock: the record's wall time is the study's own
-        results = run_study(cfg, args.work or Path(tmp), args.data_cache, args.localhost)
+    study = Study("goodput", make_parser(), argv)
+    cfg = config_from_args(study.args)
+    with study.running() as work:
+        results = run_study(cfg, work, study.args.data_cache, study.args.localhost)
     results["rows"] = combine(results["reps"], cfg)
     results["targets"] = targets(results["rows"], cfg)
-    results.update(report.run_record("benchmarks/goodput.py", sys.argv[1:] if argv is None else argv, started))
-    print(report.write_study(out, results, markdown))
-    plot(results, out)
-    return 0
+    return study.finish(results, markdown, plot)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ its difference to the unchanged-layout resume (the *loss bump*), the global mode
 the resume starts from), S + H and T, and each resume's start-up line ("hf_fedshard: resuming step S of ...").
 ``--report-only results.json`` rewrites the tables and the plot of a finished run without running anything.
 
-    python benchmarks/layout_change.py --quick   # micro, T = 32, S = 16: 4x2, 2x2, 3x2, 2x4s2 (under 8 min)
-    python benchmarks/layout_change.py           # tiny, T = 96, S = 48: all five layouts (under 30 min)
-    python benchmarks/layout_change.py --report-only benchmarks/results/layout_change_full/results.json
+    python -m benchmarks.layout_change --quick   # micro, T = 32, S = 16: 4x2, 2x2, 3x2, 2x4s2 (under 8 min)
+    python -m benchmarks.layout_change           # tiny, T = 96, S = 48: all five layouts (under 30 min)
+    python -m benchmarks.layout_change --report-only benchmarks/results/layout_change_full/results.json
 
 Results (JSON, Markdown, PNG) go to ``--out`` (default benchmarks/results/layout_change_<quick|full>/).
 """
@@ -33,19 +33,14 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import TRAIN_SCRIPT, results_folder  # noqa: E402
-from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data  # noqa: E402
-from benchmarks.harness.report import run_record, run_record_lines, save_figure, write_study  # noqa: E402
+from benchmarks.harness import REPO, TRAIN_SCRIPT
+from benchmarks.harness.methods import BenchConfig, prepare_data
+from benchmarks.harness.report import run_record_lines, save_figure
+from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite
 
 SOURCE = "4x2"
 FULL_LAYOUTS = ("4x2", "2x2", "3x2", "2x4", "2x4s2")
@@ -188,7 +183,7 @@ def train(cfg: LayoutChangeConfig, name: str, layout: Layout, args: list[str], d
     }  # fmt: skip
 
 
-# ---- the figures: pure functions of the runs (tests/test_benchmark_studies.py feeds them synthetic records) ----
+# ---- the figures: pure functions of the runs (tests/unit/test_benchmarks.py feeds them synthetic records) ----
 
 
 def eval_at(run: dict, step: int) -> float | None:
@@ -347,7 +342,7 @@ def plot(results: dict, out: Path) -> Path:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = new_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="micro, T = 32, S = 16, layouts 4x2 2x2 3x2 2x4s2.")
     p.add_argument("--source", default=SOURCE, help="The source run's layout (default 4x2).")
     p.add_argument("--layouts", nargs="+", help="Resumed on, <groups>x<ranks>[s<shard>]; must hold the source's "
@@ -361,10 +356,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-train-lines", type=int, help="Train on a prefix of the text (tests).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=600.0, help="Bound on each run.")
-    p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/layout_change_<quick|full>).")
-    p.add_argument("--work", type=Path, help="Keep the runs (checkpoints, logs) here (default: a temporary folder).")
-    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
-    p.add_argument("--report-only", type=Path, help="Rewrite the tables and plot of this results.json; run nothing.")
+    add_folder_options(p, "layout_change", work="the runs (checkpoints, logs)", report_only="tables and plot")
     return p
 
 
@@ -402,29 +394,23 @@ def run_study(cfg: LayoutChangeConfig, data: Path, work: Path) -> dict:
     return {"source": source, "resumes": resumes}
 
 
+def summary_again(results: dict) -> dict:
+    """The summary of a finished run's results (``--report-only``)."""
+    return summarize(results["runs"]["source"], results["runs"]["resumes"], results["config"])
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
-    if args.report_only:
-        results = json.loads(args.report_only.read_text())
-        results["summary"] = summarize(results["runs"]["source"], results["runs"]["resumes"], results["config"])
-        print(write_study(args.report_only.parent, results, markdown))
-        plot(results, args.report_only.parent)
-        return 0
-    cfg = config_from_args(args)
-    out = args.out or results_folder("layout_change", args.quick)
+    study = Study("layout_change", make_parser(), argv)
+    if study.args.report_only:
+        return rewrite(study.args.report_only, summary_again, markdown, plot)
+    cfg = config_from_args(study.args)
     bench = BenchConfig(block_size=cfg.block_size, eval_samples=cfg.eval_samples, max_train_lines=cfg.max_train_lines)
-    data = prepare_data(bench, args.data_cache)
-    with exclusive_cores("benchmarks/layout_change.py"), tempfile.TemporaryDirectory(prefix="fedshard-layout-") as tmp:
-        started = time.time()  # after the lock: the record's wall time is the study's own
-        work = args.work or Path(tmp)
+    data = prepare_data(bench, study.args.data_cache)
+    with study.running() as work:
         runs = run_study(cfg, data, work)
     results = {"config": asdict(cfg), "runs": runs}
     results["summary"] = summarize(runs["source"], runs["resumes"], results["config"])
-    results.update(run_record("benchmarks/layout_change.py", sys.argv[1:] if argv is None else argv, started))
-    table = write_study(out, results, markdown)
-    plot(results, out)
-    print(table)
-    return 0
+    return study.finish(results, markdown, plot)
 
 
 if __name__ == "__main__":

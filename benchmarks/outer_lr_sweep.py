@@ -4,8 +4,8 @@ FL+FSDP, 2 groups × 2 ranks on this machine (plain `torchrun --standalone`, no 
 here), the benchmark's data, model and hyperparameters (benchmarks/harness/methods.py), one run per outer learning rate
 with ``fed_outer_optimizer=nesterov`` (momentum 0.9) plus FedAvg as the reference; every run reads the same tokens.
 
-    python benchmarks/outer_lr_sweep.py                      # lr 0.3 0.5 0.7 1.0 and FedAvg, 48 steps (~5 min)
-    python benchmarks/outer_lr_sweep.py --lrs 0.7 --steps 16 --out /tmp/sweep
+    python -m benchmarks.outer_lr_sweep                      # lr 0.3 0.5 0.7 1.0 and FedAvg, 48 steps (~5 min)
+    python -m benchmarks.outer_lr_sweep --lrs 0.7 --steps 16 --out /tmp/sweep
 
 Writes ``results.json`` (every evaluation of every run), ``results.md`` and ``perplexity_vs_tokens.png`` into
 ``--out`` (default benchmarks/results/outer_lr_sweep_full/).
@@ -19,18 +19,13 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import TRAIN_SCRIPT, results_folder  # noqa: E402
-from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data, shared_args  # noqa: E402
-from benchmarks.harness.report import run_record, write_study  # noqa: E402
+from benchmarks.harness import REPO, TRAIN_SCRIPT, results_folder
+from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data, shared_args
+from benchmarks.harness.report import new_axes, save_figure
+from benchmarks.harness.study import Study, new_parser
 
 GROUPS, RANKS_PER_GROUP = 2, 2
 CONFIG_FIELDS = ("model_size", "steps", "sync_steps", "eval_steps", "batch_size", "block_size", "learning_rate", "seed")
@@ -76,13 +71,8 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+def plot(results: dict, out: Path) -> Path:
+    fig, ax = new_axes()
     for label, evals in results["runs"].items():
         style = "--" if label == "fedavg" else "-"
         ax.plot([e["tokens"] for e in evals], [e["eval_perplexity"] for e in evals], style, marker="o", markersize=3,
@@ -92,13 +82,11 @@ def plot(results: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_title(f"Outer learning rate, nesterov (momentum 0.9), H = {results['config']['sync_steps']}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return save_figure(fig, out / "perplexity_vs_tokens.png")
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = new_parser(__doc__)
     p.add_argument("--lrs", type=float, nargs="+", default=[0.3, 0.5, 0.7, 1.0], help="Outer learning rates.")
     p.add_argument("--steps", type=int, default=48, help="Optimizer steps per run.")
     p.add_argument("--sync-steps", type=int, default=8, help="H.")
@@ -110,28 +98,24 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    study = Study("outer_lr_sweep", make_parser(), argv)
+    args = study.args
     cfg = BenchConfig(nodes=GROUPS, ranks_per_node=RANKS_PER_GROUP, steps=args.steps, sync_steps=args.sync_steps,
                       eval_steps=args.eval_steps, model_size=args.model_size, warmup_steps=0)  # fmt: skip
     data = prepare_data(cfg, args.data_cache)
     runs: dict[str, list[dict]] = {}
-    with exclusive_cores("benchmarks/outer_lr_sweep.py"), tempfile.TemporaryDirectory(prefix="fedshard-sweep-") as tmp:
-        started = time.time()  # after the lock: the record's wall time is the study's own
+    with study.running() as work:
         for lr in [*args.lrs, None]:
             label = "fedavg" if lr is None else f"nesterov lr {lr:g}"
-            evals = train(label.replace(" ", "_"), run_args(lr, cfg), cfg, data, Path(tmp))
+            evals = train(label.replace(" ", "_"), run_args(lr, cfg), cfg, data, work)
             runs[label] = [{**e, "tokens": e["step"] * cfg.tokens_per_step,
                             "eval_perplexity": math.exp(e["eval_loss"])} for e in evals]  # fmt: skip
     results = {
         "config": {k: getattr(cfg, k) for k in CONFIG_FIELDS},
         "tokens_per_step": cfg.tokens_per_step,
         "runs": runs,
-        **run_record("benchmarks/outer_lr_sweep.py", sys.argv[1:] if argv is None else argv, started),
     }
-    table = write_study(args.out, results, markdown)
-    plot(results, args.out / "perplexity_vs_tokens.png")
-    print(table)
-    return 0
+    return study.finish(results, markdown, plot)
 
 
 if __name__ == "__main__":

@@ -28,16 +28,16 @@ times each, and every figure is the median over repetitions with its spread (min
 is taken in each repetition (they ran back to back) before its median. Run it alone on the machine (it takes
 /tmp/hf_fedshard_cpu.lock while it runs):
 
-    python benchmarks/overhead.py                 # tiny preset, 48 steps, 3 repetitions (about 8 minutes)
-    python benchmarks/overhead.py --quick         # micro preset, 24 steps, 2 repetitions (about 3 minutes)
+    python -m benchmarks.overhead                 # tiny preset, 48 steps, 3 repetitions (about 8 minutes)
+    python -m benchmarks.overhead --quick         # micro preset, 24 steps, 2 repetitions (about 3 minutes)
 
 Four ranks on 2 cores wait for each other's turn on a core, and that moves a step by ±15–20% between runs.
 ``--pin`` gives each rank a core of its own: ``--group-size 1`` (2 groups of one rank, no FSDP collective: the
 loop and the averaging alone; without ``trainer``, which needs 2 ranks for FSDP) or ``--num-groups 1`` (one group
 of 2 ranks, which never averages):
 
-    python benchmarks/overhead.py --group-size 1 --pin --reps 6 --methods fedshard handwritten engine
-    python benchmarks/overhead.py --num-groups 1 --pin --reps 6
+    python -m benchmarks.overhead --group-size 1 --pin --reps 6 --methods fedshard handwritten engine
+    python -m benchmarks.overhead --num-groups 1 --pin --reps 6
 """
 
 from __future__ import annotations
@@ -53,13 +53,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import results_folder  # noqa: E402
-from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.harness.methods import busy_cpu_s, others_cpu  # noqa: E402
+from benchmarks.harness import REPO, results_folder
+from benchmarks.harness.exclusive import exclusive_cores
+from benchmarks.harness.methods import busy_cpu_s, others_cpu
 
 METHODS = ("fedshard", "fedshard_no_reshard", "trainer", "handwritten", "engine")
 PHASES = ("data", "forward", "backward", "optimizer", "averaging", "other")
@@ -459,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     opts.out.mkdir(parents=True, exist_ok=True)
     tokens_per_rank_step = opts.batch_size * opts.seq_len
     results: dict[str, list[dict]] = {m: [] for m in opts.methods}
-    with exclusive_cores("benchmarks/overhead.py"):
+    with exclusive_cores("benchmarks.overhead"):
         for rep in range(opts.reps):  # interleaved: a drift in the machine's load hits every method alike
             for method in opts.methods:
                 record_dir = opts.out / "runs" / f"{method}-{rep}"

@@ -17,38 +17,20 @@ and for blocking averaging the exchange itself). For blocking FL+FSDP the per-av
 benchmarks/tiers.py is printed beside them. ``--report-only results.json`` rewrites the tables of a finished
 run without running anything.
 
-    python benchmarks/overlap.py            # 3 repetitions, tiny, 32 steps, H = 8
-    python benchmarks/overlap.py --quick    # 2 nodes, micro, 16 steps, 1 repetition (the harness, not figures)
-    python benchmarks/overlap.py --report-only benchmarks/results/overlap_full/results.json
+    python -m benchmarks.overlap            # 3 repetitions, tiny, 32 steps, H = 8
+    python -m benchmarks.overlap --quick    # 2 nodes, micro, 16 steps, 1 repetition (the harness, not figures)
+    python -m benchmarks.overlap --report-only benchmarks/results/overlap_full/results.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-import tempfile
-import time
 from dataclasses import asdict
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import results_folder  # noqa: E402
-from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.harness.methods import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
-from benchmarks.harness.report import (  # noqa: E402
-    judge,
-    median_range,
-    overlap_targets,
-    run_record,
-    run_record_lines,
-    spread,
-    write_study,
-)
+from benchmarks.harness.methods import BenchConfig, benchmark
+from benchmarks.harness.report import judge, median_range, overlap_targets, run_record_lines, spread
+from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite
 
 METHODS = ("FL+FSDP", "FL+FSDP overlap", "FL+FSDP stream", "FL+FSDP stream int8", "ideal", "LocalSGD")
 FIGURES = ("tokens_per_s", "fraction_of_ideal", "exchange_wait_ratio", "loop_wait_ratio", "averaging_ratio_median",
@@ -105,24 +87,20 @@ def markdown(results: dict) -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = new_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="2 nodes, micro, 16 steps, 1 repetition.")
     p.add_argument("--repeats", type=int, help="Repetitions (default 3; 1 with --quick).")
     p.add_argument("--steps", type=int, help="Steps per method (default 32; 16 with --quick).")
     p.add_argument("--methods", nargs="+", choices=METHODS, help="Default: all.")
-    p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/overlap_<quick|full>).")
-    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
-    p.add_argument("--report-only", type=Path, help="Rewrite the tables of this results.json; run nothing.")
+    add_folder_options(p, "overlap", report_only="tables")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    study = Study("overlap", make_parser(), argv)
+    args = study.args
     if args.report_only:
-        results = json.loads(args.report_only.read_text())
-        results["summary"] = combine(results["runs"], tuple(results["config"]["methods"]))
-        print(write_study(args.report_only.parent, results, markdown))
-        return 0
+        return rewrite(args.report_only, lambda r: combine(r["runs"], tuple(r["config"]["methods"])), markdown)
     steps = args.steps or (16 if args.quick else 32)
     cfg = BenchConfig(
         nodes=2 if args.quick else 4, methods=tuple(args.methods or METHODS), model_size="micro" if args.quick
@@ -130,18 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         else 64,
     )  # fmt: skip
     cfg.validate()
-    out = args.out or results_folder("overlap", args.quick)
     repeats = args.repeats or (1 if args.quick else 3)
     runs = []
-    with exclusive_cores("benchmarks/overlap.py"), tempfile.TemporaryDirectory(prefix="fedshard-overlap-") as tmp:
-        started = time.time()  # after the lock: the record's wall time is the study's own
+    with study.running() as work:
         for rep in range(repeats):
             print(f"repetition {rep + 1}/{repeats}", flush=True)
-            runs.append(benchmark(cfg, Path(tmp) / f"r{rep}", args.data_cache))
+            runs.append(benchmark(cfg, work / f"r{rep}", args.data_cache))
     results = {"config": asdict(cfg), "repeats": repeats, "summary": combine(runs, cfg.methods), "runs": runs}
-    results.update(run_record("benchmarks/overlap.py", sys.argv[1:] if argv is None else argv, started))
-    print(write_study(out, results, markdown))
-    return 0
+    return study.finish(results, markdown)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ batch, the learning rate, the schedule and the token budget fixed, and runs at w
 Every run reads the same number of tokens (``--tokens``), so bigger worlds take fewer, larger steps. Eval
 perplexity on whole held-out plays after the last step; several seeds. No network shaping: all on localhost.
 
-    python benchmarks/quality.py --quick     # worlds 4 and 8, FSDP and FL+FSDP, 2 seeds, micro (≤ 5 min)
-    python benchmarks/quality.py             # worlds 4, 8, 16, all three, 2 seeds, tiny
+    python -m benchmarks.quality --quick     # worlds 4 and 8, FSDP and FL+FSDP, 2 seeds, micro (≤ 5 min)
+    python -m benchmarks.quality             # worlds 4, 8, 16, all three, 2 seeds, tiny
 
 Results (JSON, Markdown, PNG) go to ``--out`` (default benchmarks/results/quality_<quick|full>/).
 """
@@ -28,19 +28,14 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import TRAIN_SCRIPT, results_folder  # noqa: E402
-from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data  # noqa: E402
-from benchmarks.harness.report import run_record, run_record_lines, write_study  # noqa: E402
+from benchmarks.harness import REPO, TRAIN_SCRIPT
+from benchmarks.harness.methods import BenchConfig, prepare_data
+from benchmarks.harness.report import new_axes, run_record_lines, save_figure
+from benchmarks.harness.study import Study, add_folder_options, new_parser
 
 VARIANTS = ("FSDP", "FSDP √-lr", "FL+FSDP")
 
@@ -175,12 +170,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    fig, ax = new_axes()
     for variant in results["config"]["variants"]:
         rows = [r for r in results["rows"] if r["variant"] == variant]
         worlds = [r["world"] for r in rows]
@@ -192,15 +182,11 @@ def plot(results: dict, out: Path) -> Path:
     ax.set_ylabel("eval perplexity at equal tokens")
     ax.legend(fontsize=8)
     ax.set_title("Median over seeds, bars: min–max", fontsize=9)
-    fig.tight_layout()
-    path = out / "perplexity_vs_world.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "perplexity_vs_world.png")
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = new_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="Worlds 4 and 8, FSDP and FL+FSDP, micro, 2 seeds.")
     p.add_argument("--worlds", type=int, nargs="+", help="World sizes (default 4 8 16; 4 8 with --quick).")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, help="Default: all three (quick: FSDP, FL+FSDP).")
@@ -209,8 +195,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, help="Training tokens per run (a multiple of every world batch).")
     p.add_argument("--learning-rate", type=float, default=2e-3)
     p.add_argument("--timeout-s", type=float, default=600.0, help="Bound on each run.")
-    p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/quality_<quick|full>).")
-    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
+    add_folder_options(p, "quality")
     return p
 
 
@@ -230,19 +215,12 @@ def config_from_args(args: argparse.Namespace) -> QualityConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
-    cfg = config_from_args(args)
-    out = args.out or results_folder("quality", args.quick)
-    data = prepare_data(BenchConfig(block_size=cfg.block_size, eval_samples=cfg.eval_samples), args.data_cache)
-    with exclusive_cores("benchmarks/quality.py"), tempfile.TemporaryDirectory(prefix="fedshard-quality-") as tmp:
-        started = time.time()  # after the lock: the record's wall time is the study's own
-        runs = [run_one(cfg, v, w, s, data, Path(tmp)) for s in cfg.seeds for w in cfg.worlds for v in cfg.variants]
-    results = summarize(runs, cfg)
-    results.update(run_record("benchmarks/quality.py", sys.argv[1:] if argv is None else argv, started))
-    table = write_study(out, results, markdown)
-    plot(results, out)
-    print(table)
-    return 0
+    study = Study("quality", make_parser(), argv)
+    cfg = config_from_args(study.args)
+    data = prepare_data(BenchConfig(block_size=cfg.block_size, eval_samples=cfg.eval_samples), study.args.data_cache)
+    with study.running() as work:
+        runs = [run_one(cfg, v, w, s, data, work) for s in cfg.seeds for w in cfg.worlds for v in cfg.variants]
+    return study.finish(summarize(runs, cfg), markdown, plot)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ the compute-to-communication ratio is *not* that of a real cluster at larger sca
 rates; instead each speedup is also reported against the ideal of the same scale (FL+FSDP whose groups never
 average, run side by side), which cancels the slower compute.
 
-    python benchmarks/scaling.py --quick    # 2 nodes × 2 ranks, FSDP, FL+FSDP, ideal, micro, 48 steps (≤ 5 min)
-    python benchmarks/scaling.py            # 2, 4, 8 nodes × 2 ranks, five methods, tiny, 1 repetition (37 min here)
+    python -m benchmarks.scaling --quick    # 2 nodes × 2 ranks, FSDP, FL+FSDP, ideal, micro, 48 steps (≤ 5 min)
+    python -m benchmarks.scaling            # 2, 4, 8 nodes × 2 ranks, five methods, tiny, 1 repetition (37 min here)
 
 Tokens/s is the median window with the range over every window of every repetition; speedups and shares of the
 ideal are medians over repetitions with their range (one repetition: one figure, its windows' spread beside it).
@@ -23,28 +23,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import tempfile
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import results_folder  # noqa: E402
-from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.harness.methods import DATA_CACHE, BenchConfig, benchmark  # noqa: E402
-from benchmarks.harness.report import (  # noqa: E402
-    layout_of,
-    median_range,
-    run_record,
-    run_record_lines,
-    spread,
-    write_study,
-)
-from hf_fedshard.tools.cost import model_state_bytes_per_rank  # noqa: E402
+from benchmarks.harness.methods import BenchConfig, benchmark
+from benchmarks.harness.report import layout_of, median_range, new_axes, run_record_lines, save_figure, spread
+from benchmarks.harness.study import Study, add_folder_options, new_parser
+from hf_fedshard.tools.cost import model_state_bytes_per_rank
 
 METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal")
 
@@ -73,7 +58,7 @@ def methods_at(nodes: int, methods: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(m for m in methods if not (m == "FL+HSDP" and nodes < 4))
 
 
-def study(base: BenchConfig, scales: tuple[int, ...], repeats: int, work: Path, data_cache: Path) -> dict:
+def run_scales(base: BenchConfig, scales: tuple[int, ...], repeats: int, work: Path, data_cache: Path) -> dict:
     """Every scale, ``repeats`` times; the per-run results are kept whole in the JSON."""
     points, raw = {}, {}
     for nodes in scales:
@@ -114,12 +99,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=100)
+    fig, ax = new_axes((6, 3.4))
     names = sorted({m for methods in results["points"].values() for m in methods}, key=METHODS.index)
     for index, name in enumerate(names):
         nodes = [int(n) for n, methods in results["points"].items() if name in methods]
@@ -135,28 +115,24 @@ def plot(results: dict, out: Path) -> Path:
     ax.set_ylabel("speedup over FSDP (tokens/s)")
     ax.set_title("Median over repetitions (bars: min–max); x--: cost model", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "speedup_vs_nodes.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "speedup_vs_nodes.png")
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = new_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="2 nodes, FSDP, FL+FSDP, ideal, micro, 48 steps.")
     p.add_argument("--nodes", type=int, nargs="+", help="Scales (default 2 4 8; 2 with --quick).")
     p.add_argument("--repeats", type=int, default=1, help="Repetitions per scale (default 1).")
     p.add_argument("--methods", nargs="+", choices=METHODS, help="Default: all five (quick: FSDP, FL+FSDP, ideal).")
     p.add_argument("--rate-mbit", type=float, default=100.0, help="Inter-node link rate, Mbit/s each way.")
     p.add_argument("--steps", type=int, help="Steps per method (default 32; 48 with --quick: 11 windows of H = 4).")
-    p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/scaling_<quick|full>).")
-    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
+    add_folder_options(p, "scaling")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    study = Study("scaling", make_parser(), argv)
+    args = study.args
     quick = args.quick
     h = 4 if quick else 8
     base = BenchConfig(
@@ -168,15 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     scales = tuple(args.nodes or ((2,) if quick else (2, 4, 8)))
     for nodes in scales:
         replace(base, nodes=nodes, methods=methods_at(nodes, base.methods)).validate()
-    out = args.out or results_folder("scaling", quick)
-    with exclusive_cores("benchmarks/scaling.py"), tempfile.TemporaryDirectory(prefix="fedshard-scaling-") as tmp:
-        started = time.time()  # after the lock: the record's wall time is the study's own
-        results = study(base, scales, args.repeats, Path(tmp), args.data_cache)
-    results.update(run_record("benchmarks/scaling.py", sys.argv[1:] if argv is None else argv, started))
-    table = write_study(out, results, markdown)
-    plot(results, out)
-    print(table)
-    return 0
+    with study.running() as work:
+        results = run_scales(base, scales, args.repeats, work, args.data_cache)
+    return study.finish(results, markdown, plot)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ processes used meanwhile), not its figures; and the jobs waiting on the lock nee
 quick mode's blocking and stream runs, repeated under other loads, and with logging every step instead of every H,
 gave the same eval losses to the last bit.)
 
-    python benchmarks/stream_quality.py --quick   # micro, 32 steps, 3 variants, seeds 0 1 (458 s on shared cores)
-    python benchmarks/stream_quality.py           # tiny, 200 steps, all 6 variants, seeds 0 1 (3,096 s, shared)
-    python benchmarks/stream_quality.py --report-only benchmarks/results/stream_quality_full/results.json
+    python -m benchmarks.stream_quality --quick   # micro, 32 steps, 3 variants, seeds 0 1 (458 s on shared cores)
+    python -m benchmarks.stream_quality           # tiny, 200 steps, all 6 variants, seeds 0 1 (3,096 s, shared)
+    python -m benchmarks.stream_quality --report-only benchmarks/results/stream_quality_full/results.json
 
 Results (JSON, Markdown, three PNGs) go to ``--out`` (default benchmarks/results/stream_quality_<quick|full>/).
 """
@@ -41,22 +41,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import statistics
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import results_folder  # noqa: E402
-from benchmarks.harness.methods import (  # noqa: E402
-    DATA_CACHE,
+from benchmarks.harness.methods import (
     BenchConfig,
     busy_cpu_s,
     machine_load,
@@ -66,16 +57,8 @@ from benchmarks.harness.methods import (  # noqa: E402
     shared_args,
     train_on_localhost,
 )
-from benchmarks.harness.report import (  # noqa: E402
-    median_range,
-    new_axes,
-    run_record,
-    run_record_lines,
-    save_figure,
-    spread,
-    variant_settings,
-    write_study,
-)
+from benchmarks.harness.report import median_range, new_axes, run_record_lines, save_figure, spread, variant_settings
+from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite
 
 REFERENCE = "FL+FSDP"  # blocking fp32 FedAvg, the paper's
 FRAGMENTS = int(variant_settings("FL+FSDP stream")["fed_sync_fragments"])  # the overlap study's F
@@ -156,7 +139,7 @@ def train(cfg: StreamQualityConfig, name: str, seed: int, data: Path, work: Path
     return {"variant": name, "seed": seed, "evals": evals, "train_loss": train_loss, "wall_s": round(wall_s, 1)}
 
 
-# ---- the figures: pure functions of the runs (tests/test_benchmark_studies.py feeds them synthetic runs) ----
+# ---- the figures: pure functions of the runs (tests/unit/test_benchmarks.py feeds them synthetic runs) ----
 
 
 def perplexity_at(run: dict, step: int) -> float | None:
@@ -378,7 +361,7 @@ def plot(results: dict, out: Path) -> list[Path]:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = new_parser(__doc__)
     p.add_argument("--quick", action="store_true", help=f"micro, 32 steps, variants {', '.join(QUICK_VARIANTS)}.")
     p.add_argument("--variants", nargs="+", choices=CHOICES, help=f"Default: {', '.join(VARIANTS)} (quick: "
                    f"{', '.join(QUICK_VARIANTS)}); must hold {REFERENCE}.")  # fmt: skip
@@ -390,10 +373,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-steps", type=int, default=8, help="H (default 8, a multiple of 2 F).")
     p.add_argument("--eval-steps", type=int, default=8, help="Evaluate every this many steps (a multiple of H).")
     p.add_argument("--timeout-s", type=float, default=900.0, help="Bound on each run.")
-    p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/stream_quality_<quick|full>).")
-    p.add_argument("--work", type=Path, help="Keep the runs (records, logs) here (default: a temporary folder).")
-    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
-    p.add_argument("--report-only", type=Path, help="Rewrite the tables and plots of this results.json; run nothing.")
+    add_folder_options(p, "stream_quality", work="the runs (records, logs)", report_only="tables and plots")
     return p
 
 
@@ -413,33 +393,20 @@ def config_from_args(args: argparse.Namespace) -> StreamQualityConfig:
     return cfg
 
 
-def write(results: dict, out: Path) -> str:
-    table = write_study(out, results, markdown)
-    plot(results, out)
-    return table
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
-    if args.report_only:
-        results = json.loads(args.report_only.read_text())
-        results["summary"] = summarize(results["runs"], results["config"])
-        print(write(results, args.report_only.parent))
-        return 0
-    cfg = config_from_args(args)
-    out = args.out or results_folder("stream_quality", args.quick)
-    data = prepare_data(cfg.bench(cfg.seeds[0]), args.data_cache)
-    # No exclusive_cores(): nothing here is timed (see the module docstring); every launch is niced instead.
-    with tempfile.TemporaryDirectory(prefix="fedshard-stream-quality-") as tmp:
-        started, cpu, load_before = time.time(), busy_cpu_s(), machine_load()
-        work = args.work or Path(tmp)
+    study = Study("stream_quality", make_parser(), argv)
+    if study.args.report_only:
+        return rewrite(study.args.report_only, lambda r: summarize(r["runs"], r["config"]), markdown, plot)
+    cfg = config_from_args(study.args)
+    data = prepare_data(cfg.bench(cfg.seeds[0]), study.args.data_cache)
+    # Without the benchmark lock: nothing here is timed (see the module docstring); every launch is niced instead.
+    with study.running(exclusive=False) as work:
+        cpu, load_before = busy_cpu_s(), machine_load()
         runs = [train(cfg, name, seed, data, work) for seed in cfg.seeds for name in cfg.variants]
-        machine = {"before": load_before, "after": machine_load(), **others_cpu(cpu, time.time() - started)}
+        machine = {"before": load_before, "after": machine_load(), **others_cpu(cpu, time.time() - study.started)}
     results = {"config": asdict(cfg), "runs": runs, "machine": machine}
     results["summary"] = summarize(runs, results["config"])
-    results.update(run_record("benchmarks/stream_quality.py", sys.argv[1:] if argv is None else argv, started))
-    print(write(results, out))
-    return 0
+    return study.finish(results, markdown, plot)
 
 
 if __name__ == "__main__":

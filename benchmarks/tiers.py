@@ -3,10 +3,10 @@ cluster.
 
 As root, on one Linux machine (network namespaces, `tc`; see benchmarks/README.md):
 
-    python benchmarks/tiers.py --quick            # 2 nodes × 2 ranks: FSDP, HSDP, FL+FSDP, ideal (< 5 min)
-    python benchmarks/tiers.py --update-readme    # 4 nodes × 2 ranks: every method and variant; README table
-    python benchmarks/tiers.py --quick --rate-mbit 1000 --out /tmp/bench
-    python benchmarks/tiers.py --topology three-tier   # 2 racks × 2 nodes × 2 ranks, 1 Gbit/s in a rack,
+    python -m benchmarks.tiers --quick            # 2 nodes × 2 ranks: FSDP, HSDP, FL+FSDP, ideal (< 5 min)
+    python -m benchmarks.tiers --update-readme    # 4 nodes × 2 ranks: every method and variant; README table
+    python -m benchmarks.tiers --quick --rate-mbit 1000 --out /tmp/bench
+    python -m benchmarks.tiers --topology three-tier   # 2 racks × 2 nodes × 2 ranks, 1 Gbit/s in a rack,
                                                        # 100 Mbit/s between racks; FL+HSDP groups = racks
 
 Each method runs benchmarks/harness/bench_train.py with the real multi-node launcher,
@@ -18,24 +18,10 @@ benchmarks/results/tiers_<quick|full>[_three_tier]/).
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
-import tempfile
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import report, results_folder  # noqa: E402
-from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.harness.methods import (  # noqa: E402
-    DATA_CACHE,
-    FULL_METHODS,
-    BenchConfig,
-    benchmark,
-    wait_until_quiet,
-)
+from benchmarks.harness import REPO, report
+from benchmarks.harness.methods import FULL_METHODS, BenchConfig, benchmark, wait_until_quiet
+from benchmarks.harness.study import Study, add_folder_options, new_parser
 
 QUICK_METHODS = ("FSDP", "HSDP", "FL+FSDP", "ideal")
 THREE_TIER_METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal")
@@ -47,7 +33,7 @@ THREE_TIER = {"racks": 2, "nodes": 4, "rate_mbit": 1000.0, "rack_rate_mbit": 100
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = new_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="2 nodes × 2 ranks, FSDP/HSDP/FL+FSDP/ideal, 24 steps.")
     p.add_argument(
         "--topology",
@@ -71,11 +57,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="Initialisation and data order (the same for every method).")
     p.add_argument("--max-train-lines", type=int, help="Train on this many lines of the text only (tests).")
     p.add_argument("--timeout-s", type=float, default=600.0, help="Bound on each method's run.")
-    p.add_argument(
-        "--out", type=Path, help="Results folder (default benchmarks/results/tiers_<quick|full>[_three_tier])."
-    )
-    p.add_argument("--work", type=Path, help="Scratch folder for logs and records (default: a temporary one).")
-    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
+    add_folder_options(p, "tiers", "[_three_tier]", work="the logs and records")
     p.add_argument("--wait-quiet-s", type=float, default=0.0, help="First wait up to this long for a quiet machine.")
     p.add_argument("--update-readme", action="store_true", help="Write the table into benchmarks/README.md.")
     return p
@@ -108,13 +90,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    study = Study("tiers", make_parser(), argv)
+    args = study.args
     cfg = config_from_args(args)
-    out = args.out or results_folder("tiers", args.quick, "three_tier" if args.topology == "three-tier" else None)
-    with exclusive_cores("benchmarks/tiers.py"), tempfile.TemporaryDirectory(prefix="fedshard-bench-") as tmp:
+    out = study.out("three_tier" if args.topology == "three-tier" else None)
+    with study.running() as work:
         quiet = wait_until_quiet(args.wait_quiet_s) if args.wait_quiet_s > 0 else None
-        results = benchmark(cfg, args.work or Path(tmp), args.data_cache, quiet)
-    results["command"] = shlex.join(["python", "benchmarks/tiers.py", *sys.argv[1:]])
+        results = benchmark(cfg, work, args.data_cache, quiet)
+    results["command"] = study.command
     report.write(results, out)
     print(report.markdown(results))
     if args.update_readme:

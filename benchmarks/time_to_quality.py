@@ -20,11 +20,11 @@ cluster; every figure is the median over repetitions with its range. Reported: e
 the training time each method needs to reach FSDP's perplexity at the budget (and the tuned FSDP's), FSDP's of
 the same repetition; peak resident memory per rank; a plot of every curve.
 
-    python benchmarks/time_to_quality.py            # 10 methods, 2 repetitions, budget 120 s of training
-    python benchmarks/time_to_quality.py --quick    # 2 nodes × 2 ranks, micro, 5 methods, 40 s, 1 repetition
-    python benchmarks/time_to_quality.py --topology three-tier   # 2 racks × 2 nodes × 2 ranks (1 Gbit/s in a
+    python -m benchmarks.time_to_quality            # 10 methods, 2 repetitions, budget 120 s of training
+    python -m benchmarks.time_to_quality --quick    # 2 nodes × 2 ranks, micro, 5 methods, 40 s, 1 repetition
+    python -m benchmarks.time_to_quality --topology three-tier   # 2 racks × 2 nodes × 2 ranks (1 Gbit/s in a
                                                     # rack, 100 Mbit/s rack uplinks): HSDP, FL+HSDP, FSDP, FL+FSDP
-    python benchmarks/time_to_quality.py --report-only benchmarks/results/time_to_quality_full/results.json
+    python -m benchmarks.time_to_quality --report-only benchmarks/results/time_to_quality_full/results.json
 
 On three tiers the baseline is HSDP (sharded in a node, replicated across nodes) and its federated counterpart
 FL+HSDP (one group per rack): the times to reach HSDP's perplexity at the budget come first, FSDP's beside them.
@@ -36,33 +36,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import statistics
-import sys
-import tempfile
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: import this checkout's packages
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import results_folder  # noqa: E402
-from benchmarks.harness.exclusive import exclusive_cores  # noqa: E402
-from benchmarks.harness.methods import DATA_CACHE, BenchConfig, method_args, run_methods  # noqa: E402
-from benchmarks.harness.report import (  # noqa: E402
-    median_range,
-    new_axes,
-    run_record,
-    run_record_lines,
-    save_figure,
-    spread,
-    variant_settings,
-    write_study,
-)
-from benchmarks.tiers import THREE_TIER  # noqa: E402
+from benchmarks.harness.methods import BenchConfig, method_args, run_methods
+from benchmarks.harness.report import median_range, new_axes, run_record_lines, save_figure, spread, variant_settings
+from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite
+from benchmarks.tiers import THREE_TIER
 
 # The best measured FL+FSDP settings (benchmarks/README.md, "Averaging hidden behind compute"): overlapping the
 # whole exchange with one step hid it (the loop waited 0.7% of bytes ÷ rate) for +13% tokens/s over blocking
@@ -342,7 +324,7 @@ def plot(results: dict, out: Path) -> Path:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = new_parser(__doc__)
     p.add_argument("--quick", action="store_true", help=f"2 nodes, micro, {', '.join(QUICK)}, 40 s, 1 repetition.")
     p.add_argument("--budget-s", type=float, help="Seconds of training clock per method (default 120; 40 quick).")
     p.add_argument("--repeats", type=int, help="Interleaved repetitions (default 2; 1 with --quick).")
@@ -359,10 +341,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-steps", type=int, help="Evaluate every this many steps, a multiple of H (default H).")
     p.add_argument("--max-train-lines", type=int, help="Train on this many lines of the text only (tests).")
     p.add_argument("--timeout-s", type=float, help="Bound on each method's run (default budget + 420 s).")
-    p.add_argument("--out", type=Path, help="Results folder (default benchmarks/results/time_to_quality_<mode>).")
-    p.add_argument("--work", type=Path, help="Scratch folder for logs and records (default: a temporary one).")
-    p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized data is kept.")
-    p.add_argument("--report-only", type=Path, help="Rewrite the tables and plot of this results.json; run nothing.")
+    add_folder_options(p, "time_to_quality", "[_three_tier]", "the logs and records", report_only="tables and plot")
     return p
 
 
@@ -386,36 +365,31 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, tuple[str, 
     return cfg, labels, budget_s, args.repeats or (1 if quick else 2)
 
 
+def summary_again(results: dict) -> dict:
+    """The summary of a finished run's results (``--report-only``); runs from before three tiers had FSDP alone."""
+    baselines = tuple(results.get("baselines", ["FSDP"]))
+    return combine(results["runs"], tuple(results["labels"]), results["budget_s"], baselines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
-    if args.report_only:
-        results = json.loads(args.report_only.read_text())
-        baselines = tuple(results.get("baselines", ["FSDP"]))
-        results["summary"] = combine(results["runs"], tuple(results["labels"]), results["budget_s"], baselines)
-        print(write_study(args.report_only.parent, results, markdown))
-        plot(results, args.report_only.parent)
-        return 0
-    cfg, labels, budget_s, repeats = config_from_args(args)
+    study = Study("time_to_quality", make_parser(), argv)
+    if study.args.report_only:
+        return rewrite(study.args.report_only, summary_again, markdown, plot)
+    cfg, labels, budget_s, repeats = config_from_args(study.args)
     three = cfg.racks > 1
-    out = args.out or results_folder("time_to_quality", args.quick, "three_tier" if three else None)
     baselines = ("HSDP", "FSDP") if three else ("FSDP",)
     spec = {label: study_args(label, cfg, budget_s) for label in labels}
     runs = []
-    with exclusive_cores("benchmarks/time_to_quality.py"), tempfile.TemporaryDirectory(prefix="fedshard-ttq-") as tmp:
-        started = time.time()  # after the lock: the record's wall time is the study's own
+    with study.running() as work:
         for rep in range(repeats):
             print(f"repetition {rep + 1}/{repeats}", flush=True)
-            done = run_methods(cfg, spec, (args.work or Path(tmp)) / f"r{rep}", args.data_cache)
+            done = run_methods(cfg, spec, work / f"r{rep}", study.args.data_cache)
             methods = {m: run_summary(r, budget_s, cfg.tokens_per_step) for m, r in done["records"].items()}
             runs.append({"methods": methods, "link": done["link"], "machine": done["machine"]})
     results = {"config": asdict(replace(cfg, methods=labels)), "labels": list(labels), "budget_s": budget_s,
                "repeats": repeats, "method_args": spec, "baselines": list(baselines),
                "summary": combine(runs, labels, budget_s, baselines), "runs": runs}  # fmt: skip
-    results.update(run_record("benchmarks/time_to_quality.py", sys.argv[1:] if argv is None else argv, started))
-    table = write_study(out, results, markdown)
-    plot(results, out)
-    print(table)
-    return 0
+    return study.finish(results, markdown, plot, "three_tier" if three else None)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.faults import descendants
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
+STUDIES = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem != "__init__")  # python -m benchmarks.X
 
 # Settings shared by every check run: deterministic plain SGD, quiet logs, no files but the dumps.
 SGD = [
@@ -127,9 +130,19 @@ class Background:
 
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a launch and every process below it (torchrun starts each worker in a session of its own)."""
-    for pid in [proc.pid, *_descendants(proc.pid)]:
+    for pid in [proc.pid, *descendants(proc.pid, _adopted())]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _adopted() -> dict[int, int]:
+    """Each running launch client's launcher (forked by the launch server; the client records its pid)."""
+    records = Path(_SERVER["pids"]).iterdir() if "pids" in _SERVER else []
+    adopted = {}
+    for record in records:
+        with contextlib.suppress(OSError, ValueError):
+            adopted[int(record.name)] = int(record.read_text())
+    return adopted
 
 
 def torchrun(
@@ -142,26 +155,6 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` local CPU ranks; raise ``TimeoutError`` (after killing it) on a hang."""
     return finish(start_torchrun(nproc, script, args, max_restarts, preloaded), timeout_s)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children first), read from /proc; a launch client's launcher (a child of the
-    launch server, recorded by the client) counts as the client's child."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    if "pids" in _SERVER:
-        for record in Path(_SERVER["pids"]).iterdir():
-            with contextlib.suppress(OSError, ValueError):
-                children.setdefault(int(record.name), []).append(int(record.read_text()))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 def train_tiny(nproc: int, out_dir: Path, args: list[str], timeout_s: float = 240, max_restarts: int = 0) -> list[dict]:

@@ -6,11 +6,14 @@
 - ``report``: figures, targets and tables from the ranks' records, and the results writers;
 - ``exclusive``: the lock that keeps one timed study at a time on this machine;
 - ``collective_bytes``: a counter of the bytes handed to collectives that span federation groups;
+- ``study``: how a study's ``main`` runs (the lock, a scratch folder, the record of its command, ``--report-only``);
+- ``faults``, ``progress``: launches killed and restarted, and what they log as they go (the fault studies);
 - `results_folder` (here): the one naming scheme of the folders under ``benchmarks/results/``.
 """
 
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]  # the checkout: the launched ranks' PYTHONPATH
 TRAIN_SCRIPT = Path(__file__).with_name("bench_train.py")  # launched by path, so that torchrun can run it
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 

@@ -4,7 +4,8 @@
   (`ClusterNodes`, one node per group, each with a host name of its own for torchft's managers);
 - `torchrun` is the command of one launch (one group under ``fed_transport torchft``, one node of the job under
   ``mesh``), `start_lighthouse` the torchft Lighthouse's;
-- `kill_tree` is the fault: SIGKILL to the launch's torchrun and every process below it, as a lost node;
+- `kill_tree` is the fault: SIGKILL to the launch's torchrun and every process below it (`descendants`), as a lost
+  node;
 - `fault_schedule` says when: one group killed every ``interval_s`` seconds, restarted ``restart_s`` later.
 """
 
@@ -21,10 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from benchmarks.harness import TRAIN_SCRIPT
+from benchmarks.harness import REPO, TRAIN_SCRIPT
 from benchmarks.harness.netns import Cluster
 
-REPO = Path(__file__).resolve().parents[2]
 ENV = {
     "OMP_NUM_THREADS": "1",
     "PYTHONPATH": str(REPO),
@@ -102,7 +102,7 @@ def start_lighthouse(hosts: Hosts, node: int, log: Path, join_timeout_s: float =
 
 def kill_tree(proc: subprocess.Popen) -> int:
     """SIGKILL a launch and every process below it (torchrun puts each worker in a session of its own); how many."""
-    pids = [proc.pid, *_descendants(proc.pid)]
+    pids = [proc.pid, *descendants(proc.pid)]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -110,13 +110,18 @@ def kill_tree(proc: subprocess.Popen) -> int:
     return len(pids)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, read from /proc."""
+def descendants(pid: int, adopted: dict[int, int] | None = None) -> list[int]:
+    """Every process below ``pid`` (children first), read from /proc; the tests' launches are killed with it too.
+
+    ``adopted`` adds parent → child links /proc does not show (tests.launch: a launch client's launcher is forked by
+    the session's launch server, not by the client)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
             children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    for parent, child in (adopted or {}).items():
+        children.setdefault(parent, []).append(child)
     found, todo = [], [pid]
     while todo:
         kids = children.get(todo.pop(), [])

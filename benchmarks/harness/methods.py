@@ -23,12 +23,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import TRAIN_SCRIPT, report
+from benchmarks.harness import REPO, TRAIN_SCRIPT, report
 from benchmarks.harness.netns import Cluster, handle_termination
 from benchmarks.harness.report import VARIANTS, base_method
 from hf_fedshard.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[2]
 DATA_CACHE = Path.home() / ".cache" / "hf_fedshard" / "benchmark-data"
 FULL_METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal", "LocalSGD", *VARIANTS)
 

@@ -1,19 +1,15 @@
-"""The scaling, quality, overlap and time-to-quality studies' arithmetic (no cluster, no training): run shapes,
-spreads, the √-lr rule, the three-tier report's predictions and targets, the overlap targets on medians over
-repetitions, the time-to-quality curves (interpolation, time to reach, the budget stop without evaluation time), and
-the goodput study's fault schedule and committed group-steps, the layout-change study's loss bump; then, as root with
-iproute2, the time-to-quality and goodput studies end to end on a tiny emulated cluster, and the elastic demo and the
-layout-change study on localhost."""
+"""The benchmark studies' arithmetic, in this process (no cluster, no training): the scaling, quality, overlap and
+time-to-quality studies' run shapes, spreads, the √-lr rule, the three-tier report's predictions and targets, the
+overlap targets on medians over repetitions, the time-to-quality curves (interpolation, time to reach, the budget stop
+without evaluation time), the goodput study's fault schedule and committed group-steps, the layout-change study's
+loss bump; and the tiers benchmark's figures (windows, perplexity at equal time, variants and their targets).
+tests/studies/ runs the studies themselves end to end."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import shutil
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,12 +21,10 @@ from benchmarks import layout_change as lc
 from benchmarks import stream_quality as sq
 from benchmarks import time_to_quality as ttq
 from benchmarks.harness import RESULTS, bench_train, faults, progress, results_folder
-from benchmarks.harness.netns import list_namespaces
-from benchmarks.harness.report import predicted, targets
+from benchmarks.harness.methods import BenchConfig, method_args
+from benchmarks.harness.report import perplexity_at, predicted, targets, variant_targets, window_throughputs
 
-from .launch import REPO
-
-STUDIES = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem != "__init__")  # what a user runs
+from ..launch import STUDIES
 
 
 def test_quality_runs_hold_tokens_and_per_device_batch_fixed():
@@ -111,16 +105,6 @@ def test_scaling_spread_and_methods_per_scale():
     assert scaling.median_range(scaling.spread([0.5]), ".0f", 100) == "50"  # one repetition: one figure
     assert scaling.methods_at(2, scaling.METHODS) == ("FSDP", "HSDP", "FL+FSDP", "ideal")  # one group: no FL+HSDP
     assert scaling.methods_at(4, scaling.METHODS) == scaling.METHODS
-
-
-@pytest.mark.slow  # a subprocess per study: about 8 s each here
-@pytest.mark.parametrize("study", STUDIES)
-def test_study_help(study):
-    """Every study a user runs answers --help as a script, without PYTHONPATH (its imports resolve; nothing runs)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, REPO / "benchmarks" / f"{study}.py", "--help"], cwd=REPO.parent, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_overhead_pins_a_core_per_rank_and_runs_trainer_as_a_job_per_group(monkeypatch, capsys):
@@ -368,36 +352,6 @@ def test_eval_offset_moves_evaluations_and_logs_past_the_apply():
     assert moved == [1, 9, 17, 20]  # τ = 1 past each multiple of 8, and the last step
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="network namespaces need root")
-def test_time_to_quality_study_runs_on_a_tiny_cluster(tmp_path):
-    """The study as users run it (2 nodes × 1 rank, micro, a 6 s budget): every rank of a method stops at the
-    same step, the first evaluated one past the budget, and the results, table and plot are written."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, "benchmarks/time_to_quality.py", "--nodes", "2", "--ranks-per-node", "1", "--methods",
-           "FSDP", "FL+FSDP", "--budget-s", "6", "--model-size", "micro", "--max-train-lines", "3000",
-           "--sync-steps", "2", "--repeats", "1", "--out", str(out), "--work", str(tmp_path / "work"),
-           "--data-cache", str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out_text, _ = proc.communicate(timeout=540)
-    assert proc.returncode == 0, out_text[-6000:]
-    assert not [name for name in list_namespaces() if name.startswith(f"fsb{proc.pid}")]
-
-    results = json.loads((out / "results.json").read_text())
-    for name in ("FSDP", "FL+FSDP"):
-        run = results["runs"][0]["methods"][name]
-        clocks = [e["train_clock_s"] for e in run["evals"]]
-        assert len(run["stop_step_per_rank"]) == 1 and clocks[-2] < 6 <= clocks[-1], (name, clocks)
-        assert run["evals"][-1]["step"] == run["stop_step_per_rank"][0]
-        assert run["perplexity_at_budget"] > 1 and run["peak_rss_bytes_max"] > run["memory_added_bytes_max"] > 0
-    fsdp = results["summary"]["methods"]["FSDP"]
-    assert fsdp["time_to_FSDP"]["reached"] and fsdp["time_to_FSDP"]["reached"][0] <= 6
-    assert "| FL+FSDP |" in (out / "results.md").read_text()
-    assert (out / "perplexity_vs_time.png").read_bytes()[:4] == b"\x89PNG"
-
-
 # ---- goodput.py and elastic_demo.py: fault injection, committed group-steps, stalls ----
 
 
@@ -470,45 +424,6 @@ def test_progress_log_drops_a_line_cut_short(tmp_path):
     with open(log, "a") as f:
         f.write('{"event": "sync", "t": 2.')  # SIGKILL mid-line
     assert progress.read(log) == [ev("begin", 1.0, 0)] and progress.read(tmp_path / "none.jsonl") == []
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="network namespaces need root")
-def test_goodput_study_runs_both_paths_with_a_fault(tmp_path):
-    """The quick mode's machinery on a short run (not its timing) of 2 groups × 1 rank: both paths, one fault each
-    (group 1 at 7.5 s of 20), the figures, table and plot written, every namespace removed."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, "benchmarks/goodput.py", "--quick", "--groups", "2", "--run-s", "20", "--intervals-s", "15",
-           "--out", str(out), "--work", str(tmp_path / "work")]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out_text, _ = proc.communicate(timeout=840)
-    assert proc.returncode == 0, out_text[-6000:]
-    assert not [name for name in list_namespaces() if name.startswith(f"fsb{proc.pid}")]
-    results = json.loads((out / "results.json").read_text())
-    runs = {(r["path"], r["interval_s"]): r for r in results["reps"][0]["runs"]}
-    assert set(runs) == {("torchft", None), ("mesh", None), ("torchft", 15.0), ("mesh", 15.0)}
-    for path in ("torchft", "mesh"):
-        assert runs[(path, None)]["goodput"] == 1.0 and runs[(path, None)]["group_steps"] > 0
-        assert [f["group"] for f in runs[(path, 15.0)]["faults"]] == [1]
-        assert runs[(path, 15.0)]["goodput"] is not None
-    assert results["hosts"] == "netns" and results["config"]["groups"] == 2
-    assert "| torchft | 15 s | 1 |" in (out / "results.md").read_text()
-    assert (out / "goodput.png").read_bytes()[:4] == b"\x89PNG"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(480)
-def test_elastic_demo_tells_its_story(tmp_path):
-    """`make elastic-demo`'s script: group 1 is killed, restarted, heals and rejoins; the groups end bit-identical."""
-    cmd = [sys.executable, "benchmarks/elastic_demo.py", "--work", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=460)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert "group 1 KILLED (SIGKILL to torchrun and its workers" in proc.stdout
-    assert re.search(r"group 1 healed from a live group: resumes training at step \d+", proc.stdout)
-    assert "averaging at step 128: groups [0 1 2]" in proc.stdout and "OK: group 1 rejoined" in proc.stdout
 
 
 # ---- layout_change.py: a checkpoint resumed on other layouts, the loss bump against the unchanged layout ----
@@ -597,30 +512,38 @@ def test_layout_change_measures_the_bump_against_the_unchanged_resume(tmp_path):
     assert lc.plot(results, tmp_path).read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_layout_change_study_runs_on_localhost(tmp_path):
-    """The study as users run it, shrunk (micro, 2 groups × 1 rank, T = 4, S = 2, H = 2): checkpoint-2 resumed on its
-    own layout, on 3 × 1 and on FL+HSDP 2 × (2 × 1); every resume starts from the source's global model at S, the
-    changed layouts say so in their start-up line, and the results, table and plot are written."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, "benchmarks/layout_change.py", "--source", "2x1", "--layouts", "2x1", "3x1", "2x2s1",
-           "--model-size", "micro", "--steps", "4", "--save-step", "2", "--sync-steps", "2", "--eval-samples", "12",
-           "--max-train-lines", "3000", "--out", str(out), "--data-cache", str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
-    rows = {(r["layout"], r["role"]): r for r in results["summary"]["rows"]}
-    at_save = results["summary"]["source_eval_ppl_at_save"]
-    for layout in ("2x1", "3x1", "2x2s1"):
-        row = rows[(layout, "resume")]
-        assert row["eval_ppl_at_resume"] == pytest.approx(at_save, rel=1e-4), layout  # the same global model
-        assert row["eval_ppl_final"] is not None and row["world_batch_samples"] == 4 * lc.Layout.parse(layout).world
-    assert rows[("2x1", "resume")]["start_line"] is None and rows[("2x1", "resume")]["loss_bump"] == 0
-    assert rows[("3x1", "resume")]["start_line"].startswith(
-        "hf_fedshard: resuming step 2 of FL+FSDP, 2 groups × 1 ranks on FL+FSDP, 3 groups × 1 ranks"
-    )
-    assert "the model is group 0's" in rows[("2x2s1", "resume")]["start_line"]
-    assert "| 3 × 1 | 3 | 12 | 4 |" in (out / "results.md").read_text()
-    assert (out / "layout_change.png").read_bytes()[:4] == b"\x89PNG"
+# ---- tiers.py: the figures of one benchmark run ----
+
+
+def test_window_throughput_counts_each_window_with_its_sync():
+    # steps 1-4 take 1 s each, but steps 2 and 4 end with a 1 s sync: windows of H = 2 take 3 s.
+    clock = [1, 3, 4, 6]
+    steps = [{"train_clock_s": c} for c in clock]
+    assert window_throughputs(steps, tokens_per_step=300, window=2, warmup=0) == [200, 200]
+    assert window_throughputs(steps, tokens_per_step=300, window=2, warmup=2) == [200]
+
+
+def test_perplexity_at_equal_time_takes_the_last_eval_within_it():
+    evals = [{"step": 0, "train_clock_s": 0.0, "eval_loss": 5.0}, {"step": 4, "train_clock_s": 10.0, "eval_loss": 4.0}]
+    assert perplexity_at(evals, 9.9)["step"] == 0
+    assert perplexity_at(evals, 10.0) == {"step": 4, "train_clock_s": 10.0, "eval_perplexity": math.exp(4.0)}
+
+
+def test_variants_are_their_base_method_plus_settings():
+    cfg = BenchConfig(nodes=4, ranks_per_node=2)
+    assert method_args("FL+FSDP int8", cfg) == [*method_args("FL+FSDP", cfg), "--fed_sync_dtype", "int8"]
+    assert method_args("FL+HSDP", cfg)[-2:] == ["--fed_split_exchange", "false"]  # the unsplit row, as before
+    assert method_args("FL+HSDP split", cfg)[-2:] == ["--fed_split_exchange", "true"]
+
+
+def test_variant_targets_compare_bytes_with_fp32_and_the_model():
+    def method(inter: float, predicted: float, ppl: float) -> dict:
+        return {"inter_bytes_per_step": inter, "predicted": {"inter_bytes_per_step": predicted},
+                "final_eval_perplexity": ppl}  # fmt: skip
+
+    methods = {"FL+FSDP": method(400, 400, 100.0), "FL+FSDP int8": method(103, 101.5, 103.0)}
+    rows = {label: (value, bound, sense) for label, value, bound, sense in variant_targets(methods)}
+    assert rows["FL+FSDP int8 inter-node bytes ÷ fp32 FL+FSDP's (≈ 0.25)"] == (103 / 400, 0.25, "≈")
+    assert rows["FL+FSDP int8 eval ppl at equal tokens ≤ 1.02× fp32 FL+FSDP"] == (1.03, 1.02, "≤")
+    value, bound, _ = rows["FL+FSDP int8 inter-node bytes within 5% of the model (measured/predicted - 1)"]
+    assert value == pytest.approx(103 / 101.5 - 1) and bound == 0.05
