@@ -59,7 +59,8 @@ def worker(out: Path) -> None:
 def main() -> None:
     import tempfile
 
-    from hf_fedshard.tools.cost import GLOO, RING, ring_hop_bytes
+    from benchmarks.harness.cost_model import GLOO
+    from hf_fedshard.tools.cost import RING, ring_hop_bytes
 
     payload = NUMEL * 4
     with tempfile.TemporaryDirectory() as tmp, handle_termination(), Cluster(2) as cluster:

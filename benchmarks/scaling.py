@@ -26,10 +26,10 @@ import statistics
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from benchmarks.harness.cost_model import model_state_bytes_per_rank
 from benchmarks.harness.methods import BenchConfig, benchmark
 from benchmarks.harness.report import layout_of, median_range, new_axes, run_record_lines, save_figure, spread
 from benchmarks.harness.study import Study, add_folder_options, new_parser
-from hf_fedshard.tools.cost import model_state_bytes_per_rank
 
 METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal")
 

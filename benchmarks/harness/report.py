@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hf_fedshard.tools.cost import GLOO, ModelCost, Network, method_layouts, step_cost, sync_bytes_per_value
+from benchmarks.harness.cost_model import GLOO, sync_bytes_per_value
+from hf_fedshard.tools.cost import ModelCost, Network, method_layouts, step_cost
 from hf_fedshard.transports.mesh import FederationLayout, parse_group_size
 
 AVERAGING = ("FL+FSDP", "FL+HSDP", "LocalSGD")

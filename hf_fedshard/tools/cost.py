@@ -12,8 +12,8 @@ Notation
     U        FSDP units (transformer blocks, input embedding, [final norm, output head]): one collective call each
     b_p      bytes per element of the parameter all-gather (FSDP2's ``param_dtype``)
     b_g      bytes per element of the gradient reduction (FSDP2's ``reduce_dtype``)
-    b_s      bytes per element of an averaging's payload (``fed_sync_dtype``, `sync_bytes_per_value`): 4 for
-             float32, 2 for bfloat16, 1 + 4/256 for int8 (values and one fp32 scale per 256)
+    b_s      bytes per element of an averaging's payload (``fed_sync_dtype``): 4 for float32, 2 for bfloat16,
+             1 + 4/256 for int8 (values and one fp32 scale per 256)
     W, R     world size, ranks per node
     G, S     group size (``fed_group_size``), shard size (``fed_shard_size``); Q = G / S replicas, F = W / G groups
     H        optimizer steps between two averagings (``fed_sync_steps``)
@@ -23,7 +23,8 @@ Collectives assumed: rings, as NCCL's ring algorithm and gloo use them. A ring o
 
     all-gather       (k-1)/k · N
     reduce-scatter   (k-1)/k · N          (``RING``; gloo's reduce_scatter_tensor is an all-reduce of the whole
-                                           input, 2 (k-1)/k · N: benchmarks/gloo_collectives.py)
+                                           input, 2 (k-1)/k · N: benchmarks/gloo_collectives.py, whose
+                                           factor the studies use, benchmarks/harness/cost_model.py)
     all-reduce       2 (k-1)/k · N        (reduce-scatter then all-gather)
 
 A hop is inter-node when its two ranks sit on different nodes: a ring over sorted ranks spanning m > 1 nodes
@@ -80,19 +81,12 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from hf_fedshard.engine.codec import INT8_BLOCK
 from hf_fedshard.engine.payload import BUCKET_BYTES, Address
 from hf_fedshard.engine.pieces import from_owner, plan, to_owner, to_replicas
 from hf_fedshard.transports.mesh import FederationLayout
 
 RING = 1.0  # reduce-scatter bytes as a fraction of an all-reduce's (NCCL ring)
-GLOO = 2.0  # torch's gloo reduce_scatter_tensor all-reduces the input: measured by benchmarks/gloo_collectives.py
 FEDAVG_BYTES = 4  # hf_fedshard.engine.payload accumulates and sends in fp32 (or wider)
-
-
-def sync_bytes_per_value(sync_dtype: str) -> float:
-    """b_s: payload bytes per averaged value for ``fed_sync_dtype`` (int8 carries one fp32 scale per block)."""
-    return {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}[sync_dtype]
 
 
 @dataclass(frozen=True)
@@ -374,23 +368,6 @@ def _transfer_bytes(
         rack_size = ranks_per_node * nodes_per_rack
         rack += nbytes if source // rack_size != target // rack_size else 0.0
     return intra, inter, rack
-
-
-OPTIMIZER_STATE_BYTES = 16  # fp32 parameter, gradient, and AdamW's two moments, per parameter
-OUTER_STATE_BYTES = 8  # an outer optimizer's fp32 anchor and momentum (DiLoCo-style), per parameter
-
-
-def model_state_bytes_per_rank(params: int, layout: FederationLayout, outer_optimizer: bool = False) -> float:
-    """Model state one rank holds: parameters, gradients and AdamW state in fp32 (and an outer optimizer's anchor
-    and momentum), sharded over the group's ``dp_shard`` axis; a replica or a whole-model method (DDP, LocalSGD:
-    a layout with shard size 1) holds all of it. Activations and FSDP2's gathered units come on top."""
-    per_param = OPTIMIZER_STATE_BYTES + (OUTER_STATE_BYTES if outer_optimizer else 0)
-    return per_param * params / layout.shard_size
-
-
-def largest_model_params(budget_bytes: float, layout: FederationLayout, outer_optimizer: bool = False) -> int:
-    """The most parameters whose model state fits ``budget_bytes`` per rank under ``layout``."""
-    return int(budget_bytes / model_state_bytes_per_rank(1, layout, outer_optimizer))
 
 
 def llama_parameters(

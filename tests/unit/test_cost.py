@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from benchmarks.harness.cost_model import GLOO, sync_bytes_per_value
 from hf_fedshard.tools.cost import (
-    GLOO,
     PAPER_HEADLINE_SPEEDUP,
     RING,
     ModelCost,
@@ -21,7 +21,6 @@ from hf_fedshard.tools.cost import (
     ring_hops,
     speedups,
     step_cost,
-    sync_bytes_per_value,
 )
 from hf_fedshard.tools.models import PRESETS, llama_config
 from hf_fedshard.transports.mesh import FederationLayout
@@ -267,7 +266,7 @@ def test_cli_prints_the_three_tier_setting(capsys):
 
 def test_model_state_per_rank_and_largest_model():
     """16 B per parameter (fp32 weights, gradients, two AdamW moments), 24 B with an outer optimizer, over S ranks."""
-    from hf_fedshard.tools.cost import largest_model_params, model_state_bytes_per_rank
+    from benchmarks.harness.cost_model import largest_model_params, model_state_bytes_per_rank
 
     assert model_state_bytes_per_rank(1000, FederationLayout(8)) == 2000  # FSDP over 8 ranks
     assert model_state_bytes_per_rank(1000, FederationLayout(8, 8, 2)) == 8000  # HSDP: shards of 2
