@@ -39,8 +39,9 @@ def start_torchrun(
 ) -> subprocess.Popen:
     """Start ``script`` on ``nproc`` local CPU ranks (output piped); `finish` waits for it.
 
-    ``preloaded`` forks the launcher from the session's launch server and the workers from the launcher, both of which
-    imported the libraries once (tests/preloaded_torchrun.py); False starts each in a fresh interpreter, as plain
+    ``preloaded`` forks the workers from a launcher that imported the libraries once (tests/preloaded_torchrun.py);
+    with ``HF_FEDSHARD_LAUNCH_SERVER=1`` the launcher too is forked, from one server per session (opt-in until the
+    hang of an 8-rank launch under it is understood). False starts each rank in a fresh interpreter, as plain
     torchrun does (every launch does with ``HF_FEDSHARD_PLAIN_TORCHRUN=1``).
 
     With ``max_restarts``, torchrun restarts the whole job after a failure; its rendezvous store is then not
