@@ -57,18 +57,12 @@ from hf_fedshard.checkpointing.reshard import (
 from hf_fedshard.checkpointing.resume import load_on_every_rank, resumable_checkpoint
 from hf_fedshard.engine import FederationCommunicator, ProcessGroupCommunicator
 from hf_fedshard.engine.payload import all_finite, load_model_state, model_state_tensors
+from hf_fedshard.engine.rounds import HealState
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.arguments import FedShardArgumentsMixin, FedShardTrainingArguments
 from hf_fedshard.integrations.callback import FedAvgCallback
 from hf_fedshard.integrations.card import CARD_EXTRAS, TrainingClock, clock_hidden, extend_card
-from hf_fedshard.integrations.elastic import (
-    NOT_READY,
-    federation_fingerprint,
-    peer_parts,
-    peer_state,
-    peer_state_of,
-    resume_folder,
-)
+from hf_fedshard.integrations.elastic import cut_state, federation_fingerprint, register_heal_parts, resume_folder
 from hf_fedshard.integrations.fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
 from hf_fedshard.integrations.group_eval import evaluate_each_group
 from hf_fedshard.integrations.group_gather import gathers_within_group
@@ -381,51 +375,44 @@ class FedShardMixin(Trainer):
 
     def _join_federation_of_launches(self) -> ElasticFederation:
         """This launch's torchft side; it reaches the lighthouse when `train` joins the first quorum."""
+        heal = HealState()
+        register_heal_parts(self, heal)
         return ElasticFederation(
             lighthouse=self.args.fed_lighthouse, group_id=self.args.fed_group_id,
             num_groups=self.args.fed_num_groups, group=torch.distributed.group.WORLD,
-            timeout_s=self.args.fed_exchange_timeout_s, fingerprint=federation_fingerprint(self),
-            provide=lambda: peer_state(self), receive=self._take_peer_state, layout=self.fed_layout,
-            provide_parts=lambda: peer_parts(self),
-            receive_parts=lambda parts: self._take_peer_state(peer_state_of(parts)),
+            timeout_s=self.args.fed_exchange_timeout_s, fingerprint=federation_fingerprint(self), heal=heal,
+            layout=self.fed_layout, cut=lambda state: cut_state(self, state),
         )  # fmt: skip
 
     def _join_quorum(self, checkpoint: str | None) -> str | None:
-        """Join the federation's quorum before training: a group behind the others resumes from a live peer's state
-        (a temporary folder holds its trainer_state.json), one level with them from ``checkpoint`` or afresh."""
+        """Join the federation's quorum before training: a group behind the others resumes from a live peer's
+        committed state (a temporary folder holds its trainer_state.json), one level with them from ``checkpoint``
+        or afresh."""
         syncs = (
             0 if checkpoint is None else read_counters(checkpoint, self._group_index, self.args.process_index)["syncs"]
         )
+        heal = self.fed_federation.heal
         self.fed_federation.join(int(syncs))
-        if self._peer_state is None:
+        if not heal.held:
             return checkpoint
+        self._peer_state, heal.held = heal.held, {}
         folder = resume_folder(self._peer_state)
         if self.args.should_log:
             logger.warning(
-                "hf_fedshard: fed_group%d healed from a live group: resuming at step %d with the global model, its "
-                "anchors and outer state; the inner optimizer starts afresh.",
+                "hf_fedshard: fed_group%d healed from a live group: resuming at step %d (its last averaging) with the "
+                "global model, its anchors and outer state; the inner optimizer starts afresh.",
                 self.args.fed_group_id, self._peer_state["trainer"]["global_step"],
             )  # fmt: skip
         return folder
 
-    def _take_peer_state(self, state: dict) -> None:
-        """A live peer's state, sent when this group heals: kept for the resume before training, loaded after a
-        round this group lost while the others committed it (same step)."""
-        if state.get(NOT_READY):
-            raise RuntimeError(
-                f"hf_fedshard: fed_group{self.args.fed_group_id} is behind the federation, but the group it would heal "
-                "from has not started training yet (it is resuming too). Restart this group once the others train."
-            )
-        averager = self.fed_callback.averager
-        if averager is None:
-            self._peer_state = state
-            return
-        if state["trainer"]["global_step"] != self.state.global_step:
+    def _check_peer_step(self, trainer_state: dict) -> None:
+        """A heal during training (this group lost a round the others committed): the peer's state must be of this
+        step (`hf_fedshard.engine.rounds` I4); its averager part then loads it."""
+        if trainer_state["global_step"] != self.state.global_step:
             raise RuntimeError(
                 f"hf_fedshard: fed_group{self.args.fed_group_id} at step {self.state.global_step} was sent a peer's "
-                f"state of step {state['trainer']['global_step']}; the groups left each other's schedule."
+                f"state of step {trainer_state['global_step']}; the groups left each other's schedule."
             )
-        averager.load_peer_state(state["averager"])
 
     @property
     def _group_pg(self) -> ProcessGroup:

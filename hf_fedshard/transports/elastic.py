@@ -10,8 +10,9 @@ at this rank's position in those groups: the engine's ``peers``. An averaging is
   averages again, its local progress kept;
 - after a committed round the next quorum is formed at once, while every group holds the global model: a group
   that starts (or one whose round failed where the others' committed) is behind the others' averaging count and
-  heals there from a live peer, through torchft's checkpoint transport (`FederatedAverager.peer_state` plus what
-  the training loop adds, see `ElasticFederation.provide`).
+  heals there from a live peer's state as of its last committed averaging (`hf_fedshard.engine.rounds.HealState`:
+  the averager's part and the training loop's), through torchft's checkpoint transport; the round applies it once
+  the quorum formed.
 
 The control all-reduce (every rank of the federation) is an all-reduce inside the group, then across the quorum.
 Groups of unequal size (each launch given the list, ``--fed_group_size 4,2,2``) average, and heal a group behind,
@@ -39,7 +40,8 @@ from hf_fedshard.engine.communicator import (
     ProcessGroupCommunicator,
     Round,
 )
-from hf_fedshard.engine.heal import PeerParts
+from hf_fedshard.engine.heal import PeerParts, mended
+from hf_fedshard.engine.rounds import NOT_READY, HealState
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.transports.members import refuse_bad_members, settings_code
 from hf_fedshard.transports.mesh import FederationLayout
@@ -146,14 +148,13 @@ class ElasticFederation:
         group: the launch's process group (this group's ranks).
         timeout_s: how long a collective, a quorum or a heal waits (``fed_timeout_s``).
         fingerprint: the settings every group must share (checked when groups meet).
-        provide: returns this rank's state for a joining peer (called right after a committed averaging).
-        receive: takes a peer's state (`provide`'s) when this group heals.
+        heal: the parts of this group's state a joining group is sent (each as of the last committed averaging)
+            and where a heal's parts are put (`hf_fedshard.engine.rounds.HealState`); the training loop registers
+            its parts there.
         layout: the nominal federation where its groups are of unequal size (``fed_group_size 4,2,2``): they
             average over every rank of the quorum (`UnequalQuorum`); ``None``: equal groups.
-        provide_parts: `provide`'s state in parts (`hf_fedshard.engine.heal`), whose tensors a group of another
-            size takes shard by shard; required with groups of unequal size, unused otherwise.
-        receive_parts: takes those parts on this group's own shards when it heals; required with groups of unequal
-            size, unused otherwise.
+        cut: ``heal``'s committed state in parts (`hf_fedshard.engine.heal`), whose tensors a group of another size
+            takes shard by shard; required with groups of unequal size, unused otherwise.
     """
 
     def __init__(
@@ -165,16 +166,13 @@ class ElasticFederation:
         group: ProcessGroup,
         timeout_s: float,
         fingerprint: str,
-        provide: Callable[[], dict],
-        receive: Callable[[dict], None],
+        heal: HealState,
         layout: FederationLayout | None = None,
-        provide_parts: Callable[[], PeerParts] | None = None,
-        receive_parts: Callable[[PeerParts], None] | None = None,
+        cut: Callable[[dict], PeerParts] | None = None,
     ) -> None:
         _import_torchft()  # refuse a missing torchft at construction, before training
         self.group_id, self.num_groups, self.group = group_id, num_groups, group
-        self.fingerprint, self.provide, self.receive = fingerprint, provide, receive
-        self.provide_parts, self.receive_parts = provide_parts, receive_parts
+        self.fingerprint, self.heal, self.cut = fingerprint, heal, cut
         self.timeout_s, self.lighthouse = timeout_s, lighthouse
         self.heals = 0
         self.groups_averaged = 0  # groups in the last committed averaging
@@ -298,7 +296,12 @@ class ElasticFederation:
         )
 
     def _provide(self) -> dict:
-        return {"fingerprint": self.fingerprint, "state": self.provide()}
+        return {"fingerprint": self.fingerprint, "state": self.heal.committed()}
+
+    def provide_parts(self) -> PeerParts:
+        """`_provide`'s state in parts, for a group of another size (`UnequalQuorum`)."""
+        committed = self.heal.committed()
+        return PeerParts(committed, [], []) if committed.get(NOT_READY) else self.cut(committed)
 
     def _receive(self, state: dict) -> None:
         if state["fingerprint"] != self.fingerprint:
@@ -308,13 +311,13 @@ class ElasticFederation:
                 " there). Start every group with the same model, fed_* settings, group size and batch."
             )
         self._healed = True
-        self.receive(state["state"])
+        self.heal.receive(state["state"])
 
     def take_parts(self, parts: PeerParts, averagings: int) -> None:
         """A heal across sizes arrived on every rank of this group (`UnequalQuorum`): take it, and count the
         averagings the state holds as committed here too (torchft's own heal sets them; it is off here)."""
         self._healed = True
-        self.receive_parts(parts)
+        self.heal.receive(mended(parts))
         self.manager.load_state_dict({"step": averagings, "batches_committed": self.manager.batches_committed()})
 
     def _check_members(self) -> None:
