@@ -30,12 +30,21 @@ Invariants (asserted where they can fail cheaply):
   (`hf_fedshard.engine.control.agree`): a resume or a heal never meets stale sums.
 - I6 a launch replaces a dead launch of the same group id; two live launches of one id are refused (the transport
   counts the claims of the launches that answer, so a dead one is never counted).
+- I7 a launch that starts without healing (afresh, or resumed from a checkpoint) waits at its first quorum for every
+  nominal group, up to the timeout (`join`): groups resumed a few seconds apart average together instead of in
+  separate quorums that would each commit the same averaging on other models.
+- I8 the groups of a quorum hold one global model once it formed: each group keeps a lineage code, chained at every
+  commit from the count and the groups that committed (`next_lineage`); two quorums that committed the same averaging
+  apart (a group redid a round alone while the others redid it together) hold different codes, and when they meet
+  every group not on the lead (`lead`: the highest count, then the code most groups hold) heals from one that is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from hf_fedshard.engine.communicator import Membership, Round
@@ -44,6 +53,25 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 NOT_READY = "not_ready"
+LINEAGE_CODES = 1 << 20  # codes below 2^20: their sums and squares over a few thousand groups stay exact in float64
+
+
+def next_lineage(lineage: int, count: int, groups: Sequence[int]) -> int:
+    """The lineage code after a commit that brought the averaging count to ``count`` with ``groups`` (I8): equal on
+    every group of that commit; two quorums that commit one averaging apart differ (but for a 2^-20 collision)."""
+    digest = hashlib.sha256(f"{lineage}:{count}:{sorted(groups)}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % LINEAGE_CODES
+
+
+def lead(members: Sequence[tuple[int, int, int]]) -> tuple[int, int]:
+    """The (count, lineage) every group of a quorum of ``members`` (group id, count, lineage) holds once it formed
+    (I8): the highest averaging count, and among the groups at it the lineage most of them hold (a tie: the one
+    of the lowest group id). A group that does not hold it heals from one that does."""
+    top = max(count for _, count, _ in members)
+    votes = Counter(lineage for _, count, lineage in members if count == top)
+    most = max(votes.values())
+    first = min((group, lineage) for group, count, lineage in members if count == top and votes[lineage] == most)
+    return top, first[1]
 
 
 class Part(Protocol):
@@ -136,3 +164,31 @@ def _quorum(membership: Membership, heal: HealState, new_quorum: Callable[[Round
     if formed.healed:
         heal.apply()
     return formed
+
+
+def join(
+    ask: Callable[[], Round],
+    present: Callable[[], int],
+    num_groups: int,
+    timeout_s: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> Round:
+    """The first QUORUM of a launch, before training (I7): a launch that healed joins the running federation at
+    once; one that did not asks again every half second until every one of ``num_groups`` is in its quorum, or
+    ``timeout_s`` passed (the others then join when they start, healing from this one)."""
+    joined = ask()
+    deadline = clock() + timeout_s
+    while not joined.healed and present() < num_groups:
+        if clock() > deadline:
+            logger.warning(
+                "hf_fedshard: starting with %d of fed_num_groups=%d groups after %gs (fed_timeout_s); the others "
+                "join when they start.",
+                present(),
+                num_groups,
+                timeout_s,
+            )
+            break
+        sleep(0.5)
+        joined = ask()
+    return joined

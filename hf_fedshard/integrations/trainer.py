@@ -410,8 +410,10 @@ class FedShardMixin(Trainer):
         step (`hf_fedshard.engine.rounds` I4); its averager part then loads it."""
         if trainer_state["global_step"] != self.state.global_step:
             raise RuntimeError(
-                f"hf_fedshard: fed_group{self.args.fed_group_id} at step {self.state.global_step} was sent a peer's "
-                f"state of step {trainer_state['global_step']}; the groups left each other's schedule."
+                f"hf_fedshard: fed_group{self.args.fed_group_id} fell behind the federation by more than one "
+                f"averaging: at step {self.state.global_step} it was sent a peer's state of step "
+                f"{trainer_state['global_step']}. Restarting the group heals it at its first quorum (torchrun "
+                "--max-restarts does it)."
             )
 
     @property

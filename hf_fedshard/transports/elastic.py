@@ -41,7 +41,7 @@ from hf_fedshard.engine.communicator import (
     Round,
 )
 from hf_fedshard.engine.heal import PeerParts, mended
-from hf_fedshard.engine.rounds import NOT_READY, HealState
+from hf_fedshard.engine.rounds import NOT_READY, HealState, join, lead, next_lineage
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.transports.members import refuse_bad_members, settings_code
 from hf_fedshard.transports.mesh import FederationLayout
@@ -176,6 +176,8 @@ class ElasticFederation:
         self.timeout_s, self.lighthouse = timeout_s, lighthouse
         self.heals = 0
         self.groups_averaged = 0  # groups in the last committed averaging
+        self.lineage = 0  # `hf_fedshard.engine.rounds.next_lineage` of this group's commits (I8)
+        self._members: list[int] = [group_id]  # the groups of the quorum (equal groups: from `_check_members`)
         self.quorum_seconds = 0.0
         self.manager: Any = None
         self.pg: Any = None
@@ -224,33 +226,24 @@ class ElasticFederation:
         )  # fmt: skip
 
     def join(self, averagings: int = 0) -> Round:
-        """Form the first quorum (before training): a group behind the others heals there (``receive``).
+        """Form the first quorum (before training): a group behind the others heals there (into ``heal``); one that
+        did not waits for every group, up to the timeout (`hf_fedshard.engine.rounds.join`, I7).
 
-        ``averagings``: the averagings this group has committed (a checkpoint's count; 0 afresh). A federation that
-        has not averaged yet waits (up to the timeout) for all ``num_groups`` groups, so that they start together;
-        every group of a quorum sees the same count, so they ask again together.
+        ``averagings``: the averagings this group has committed (a checkpoint's count; 0 afresh).
         """
         self._start()
         self.manager.load_state_dict({"step": averagings, "batches_committed": 0})
-        deadline = time.monotonic() + self.timeout_s
-        joined = self.next_round()
-        while self.manager.current_step() == 0 and self.peers.size() < self.num_groups:
-            if time.monotonic() > deadline:
-                logger.warning(
-                    "hf_fedshard: starting with %d of fed_num_groups=%d groups after %gs (fed_timeout_s); the "
-                    "others join when they start.", self.peers.size(), self.num_groups, self.timeout_s,
-                )  # fmt: skip
-                break
-            time.sleep(0.5)
-            joined = self.next_round()
-        return joined
+        present = (lambda: len(self.unequal.shapes())) if self.unequal is not None else self.peers.size
+        return join(self.next_round, present, self.num_groups, self.timeout_s, time.monotonic, time.sleep)
 
     # ---- Membership ----
 
     def commit(self) -> bool:
         committed = self.manager.should_commit()
         if committed:  # the quorum of this averaging, before the next one forms
-            self.groups_averaged = self.peers.size() if self.unequal is None else len(self.unequal.shapes())
+            groups = self._members if self.unequal is None else self.unequal.groups()
+            self.groups_averaged = len(groups)
+            self.lineage = next_lineage(self.lineage, self.manager.current_step(), groups)
         return committed
 
     def next_round(self) -> Round:
@@ -296,7 +289,7 @@ class ElasticFederation:
         )
 
     def _provide(self) -> dict:
-        return {"fingerprint": self.fingerprint, "state": self.heal.committed()}
+        return {"fingerprint": self.fingerprint, "lineage": self.lineage, "state": self.heal.committed()}
 
     def provide_parts(self) -> PeerParts:
         """`_provide`'s state in parts, for a group of another size (`UnequalQuorum`)."""
@@ -311,30 +304,39 @@ class ElasticFederation:
                 " there). Start every group with the same model, fed_* settings, group size and batch."
             )
         self._healed = True
+        self.lineage = state["lineage"]
         self.heal.receive(state["state"])
 
-    def take_parts(self, parts: PeerParts, averagings: int) -> None:
+    def take_parts(self, parts: PeerParts, averagings: int, lineage: int) -> None:
         """A heal across sizes arrived on every rank of this group (`UnequalQuorum`): take it, and count the
         averagings the state holds as committed here too (torchft's own heal sets them; it is off here)."""
-        self._healed = True
+        self._healed, self.lineage = True, lineage
         self.heal.receive(mended(parts))
         self.manager.load_state_dict({"step": averagings, "batches_committed": self.manager.batches_committed()})
 
     def _check_members(self) -> None:
-        """One all-reduce when the quorum changes: no two groups share an id, all run the same settings, and how
-        many groups healed into it (``fed_heals``)."""
-        vector = torch.zeros(self.num_groups + 3, dtype=torch.float64)
-        vector[self.group_id] = 1.0
+        """One all-reduce when the quorum changes: no two groups share an id, all run the same settings, how many
+        groups healed into it (``fed_heals``), and whether they hold one global model (I8): a group off the lead
+        fails this round and counts itself one averaging behind, so that torchft heals it at the next quorum."""
+        n = self.num_groups
+        vector = torch.zeros(2 * n + 3, dtype=torch.float64)
+        vector[self.group_id], vector[n + self.group_id] = 1.0, float(self.lineage)
         code = settings_code(self.fingerprint)
         vector[-3], vector[-2], vector[-1] = code, code * code, 1.0 if self._healed else 0.0
         self.peers.all_reduce_sum(vector)
-        counts, total, squares, healed = vector[:-3], vector[-3].item(), vector[-2].item(), vector[-1].item()
-        groups = self.peers.size()
+        counts, lineages = vector[:n].tolist(), vector[n : 2 * n].tolist()
+        total, squares, healed = vector[-3].item(), vector[-2].item(), vector[-1].item()
         if self.manager.errored() is not None:
             return  # the round that follows fails and forms the next quorum, which checks again
-        refuse_bad_members(counts[self.group_id].item(), self.group_id, self.num_groups, groups, total, squares,
+        refuse_bad_members(counts[self.group_id], self.group_id, n, self.peers.size(), total, squares,
                            "model, fed_* settings, group size or batch")  # fmt: skip
         self.heals += int(healed)
+        self._members = [g for g in range(n) if counts[g] > 0]
+        step = self.manager.current_step()  # torchft healed every group behind: one count
+        _, target = lead([(g, step, int(lineages[g])) for g in self._members])
+        if self.lineage != target:
+            self.manager.report_error(RuntimeError("this group holds another global model than the quorum's lead"))
+            self.manager.load_state_dict({"step": step - 1, "batches_committed": self.manager.batches_committed()})
 
 
 class _Store:
