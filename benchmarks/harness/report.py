@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.harness.cost_model import GLOO, sync_bytes_per_value
 from hf_fedshard.tools.cost import ModelCost, Network, method_layouts, step_cost
-from hf_fedshard.transports.mesh import FederationLayout, parse_group_size
+from hf_fedshard.topology import FederationLayout, parse_group_size
 
 AVERAGING = ("FL+FSDP", "FL+HSDP", "LocalSGD")
 BYTES_TOLERANCE = 0.15

@@ -90,8 +90,10 @@ class FederatedAverager:
     Args:
         model: the model, sharded inside this rank's federation group.
         optimizer: the inner optimizer over the model's parameters.
-        mesh: the world mesh of `FederationLayout.build_mesh` (the one-job transport); or pass ``communicator``.
-        communicator: the cross-group collectives of another transport (`hf_fedshard.engine.communicator`).
+        mesh: the world mesh of `FederationLayout.build_mesh`, to check the model is sharded inside its group.
+        communicator: the cross-group collectives a transport gives (`hf_fedshard.engine.communicator`), or a
+            function that builds them from the checked options (how `hf_fedshard.FederatedAverager` turns a mesh
+            into the one-job transport's).
         sync_steps … timeout_s: the ``fed_*`` settings without the prefix (`FedShardArgumentsMixin` documents each).
         before_eval: called on every rank before the global model is lent for an evaluation that sees the groups
             differ, while each group still holds its own model (the Trainer's per-group evaluation).
@@ -105,7 +107,7 @@ class FederatedAverager:
         optimizer: torch.optim.Optimizer | None,
         mesh: DeviceMesh | None = None,
         *,
-        communicator: FederationCommunicator | None = None,
+        communicator: FederationCommunicator | Callable[[AveragingOptions], FederationCommunicator] | None = None,
         sync_steps: int = 8,
         average_optimizer_state: bool = False,
         outer_optimizer: str = "fedavg",
@@ -129,7 +131,11 @@ class FederatedAverager:
         self.options, self.schedule, self.settings = options, options.schedule, options.settings
         trainable = _check_model_and_optimizer(model, optimizer, mesh)
         ranges = fragment_ranges(model, trainable, self.schedule.fragments)  # refuses F > units: no collective yet
-        self.comm = communicator or _mesh_communicator(mesh, options)
+        if communicator is None:
+            raise ConfigError(
+                "FederatedAverager needs the world mesh (FederationLayout.build_mesh) or a communicator=."
+            )
+        self.comm = communicator(options) if callable(communicator) else communicator
         if self.comm.membership is not None and self.schedule.streaming:
             raise ConfigError(
                 "fed_sync_fragments/fed_sync_overlap stream the averaging between rounds, which fed_transport torchft "
@@ -653,18 +659,6 @@ class FederatedAverager:
             ", momentum" if self.settings.outer_momentum else "",
             sum(f.outer.nbytes for f in self.fragments) / 1e6, device,
         )  # fmt: skip
-
-
-def _mesh_communicator(mesh: DeviceMesh | None, options: AveragingOptions) -> FederationCommunicator:
-    """The one-job transport over ``mesh``'s world (imported here: the engine depends on no transport otherwise)."""
-    from hf_fedshard.transports.mesh import FederationLayout, mesh_communicator
-
-    if mesh is None:
-        raise ConfigError("FederatedAverager needs the world mesh (FederationLayout.build_mesh) or a communicator=.")
-    layout = FederationLayout.from_mesh(mesh)
-    return mesh_communicator(
-        layout, mesh, options.timeout_s, overlap=options.sync_overlap > 0, split=options.split_exchange
-    )
 
 
 def _check_model_and_optimizer(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -68,14 +68,17 @@ from hf_fedshard.integrations.group_eval import evaluate_each_group
 from hf_fedshard.integrations.group_gather import gathers_within_group
 from hf_fedshard.integrations.timeouts import explain_stalled_collectives
 from hf_fedshard.notices import notice
-from hf_fedshard.transports.elastic import ElasticFederation
+from hf_fedshard.topology import FederationLayout
+from hf_fedshard.transports import TRANSPORTS
 from hf_fedshard.transports.mesh import (
-    FederationLayout,
     destroy_gloo_groups_at_exit,
     group_process_group,
     mesh_communicator,
     replica_process_group,
 )
+
+if TYPE_CHECKING:
+    from hf_fedshard.transports.elastic import ElasticFederation
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +143,7 @@ class FedShardMixin(Trainer):
             )
         destroy_gloo_groups_at_exit()
         self.add_callback(TrainingClock())
-        if self.args.fed_elastic:
+        if self.args.fed_launch_per_group:
             self.fed_federation = self._join_federation_of_launches()
             launch = self.args.fed_launch_layout  # this group's replicas (groups of unequal size may differ)
             split = self.args.fed_split_exchange and launch.replicas > 1
@@ -204,7 +207,7 @@ class FedShardMixin(Trainer):
     def _get_dataloader(self, dataset: Any, description: str, *args: Any, **kwargs: Any):
         # Accelerate shards batches over the mesh's dp axes (one group); groups must read disjoint data.
         first_rank = None  # torchft: this launch reads what its ranks read in one job of the nominal layout
-        if self.args.fed_elastic and kwargs.get("is_training"):
+        if self.args.fed_launch_per_group and kwargs.get("is_training"):
             first_rank = self.fed_layout.first_rank(self.args.fed_group_id)
         with world_data_view(self.accelerator, first_rank, self.fed_layout.world_size):
             dataloader = super()._get_dataloader(dataset, description, *args, **kwargs)
@@ -320,7 +323,7 @@ class FedShardMixin(Trainer):
         change = self._layout_change
         if change is None:
             return
-        if self.args.fed_elastic:
+        if self.args.fed_launch_per_group:
             raise ConfigError(
                 f"resume_from_checkpoint={checkpoint} was written on {change.old_layout()}, but fed_transport torchft "
                 "resumes a group's checkpoint only on its own group size. Relaunch the group on "
@@ -374,10 +377,12 @@ class FedShardMixin(Trainer):
     # ---- fed_transport torchft: groups that join and leave ----
 
     def _join_federation_of_launches(self) -> ElasticFederation:
-        """This launch's torchft side; it reaches the lighthouse when `train` joins the first quorum."""
+        """This launch's side of a federation of launches (``fed_transport torchft``, from `TRANSPORTS`); it reaches
+        the lighthouse when `train` joins the first quorum."""
         heal = HealState()
         register_heal_parts(self, heal)
-        return ElasticFederation(
+        federation = TRANSPORTS[self.args.fed_transport].load()
+        return federation(
             lighthouse=self.args.fed_lighthouse, group_id=self.args.fed_group_id,
             num_groups=self.args.fed_num_groups, group=torch.distributed.group.WORLD,
             timeout_s=self.args.fed_exchange_timeout_s, fingerprint=federation_fingerprint(self), heal=heal,

@@ -83,7 +83,7 @@ from dataclasses import dataclass, field, replace
 
 from hf_fedshard.engine.payload import BUCKET_BYTES, Address
 from hf_fedshard.engine.pieces import from_owner, plan, to_owner, to_replicas
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
 
 RING = 1.0  # reduce-scatter bytes as a fraction of an all-reduce's (NCCL ring)
 FEDAVG_BYTES = 4  # hf_fedshard.engine.payload accumulates and sends in fp32 (or wider)

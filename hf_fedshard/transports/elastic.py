@@ -43,8 +43,8 @@ from hf_fedshard.engine.communicator import (
 from hf_fedshard.engine.heal import PeerParts, mended
 from hf_fedshard.engine.rounds import NOT_READY, HealState, join, lead, next_lineage
 from hf_fedshard.errors import ConfigError
+from hf_fedshard.topology import FederationLayout
 from hf_fedshard.transports.members import refuse_bad_members, settings_code
-from hf_fedshard.transports.mesh import FederationLayout
 from hf_fedshard.transports.quorum_world import UnequalQuorum, quorum_process_group
 
 logger = logging.getLogger(__name__)

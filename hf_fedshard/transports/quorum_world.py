@@ -35,8 +35,8 @@ import torch.distributed as dist
 from hf_fedshard.engine.heal import PeerParts, receiving
 from hf_fedshard.engine.pieces import GroupShape, PieceExchange
 from hf_fedshard.engine.rounds import lead
+from hf_fedshard.topology import FederationLayout
 from hf_fedshard.transports.members import refuse_bad_members, settings_code
-from hf_fedshard.transports.mesh import FederationLayout
 
 if TYPE_CHECKING:
     from hf_fedshard.transports.elastic import ElasticFederation

@@ -151,7 +151,9 @@ def test_the_resume_refuses_another_format_on_each_rank_before_any_collective(tm
     if manifest:
         files = describe_files(checkpoint, list_files(checkpoint))
         (tmp_path / MANIFEST_NAME).write_text(json.dumps({"files": files}))
-    args = SimpleNamespace(fed_auto_resume=False, output_dir=str(tmp_path.parent), fed_elastic=False, process_index=0)
+    args = SimpleNamespace(
+        fed_auto_resume=False, output_dir=str(tmp_path.parent), fed_launch_per_group=False, process_index=0
+    )
     with pytest.raises(ConfigError, match=r"records no checkpoint format in fed_layout\.json, but this release"):
         resumable_checkpoint(checkpoint, args, FL_FSDP_4, llama())
 

@@ -23,7 +23,7 @@ from hf_fedshard.tools.cost import (
     step_cost,
 )
 from hf_fedshard.tools.models import PRESETS, llama_config
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
 
 
 def test_ring_hop_bytes_of_each_collective():

@@ -16,7 +16,7 @@ from hf_fedshard import FederatedAverager
 from hf_fedshard.engine.heal import PeerParts, cut, mend, receiving
 from hf_fedshard.engine.payload import model_state_addresses, model_state_shapes, model_state_tensors
 from hf_fedshard.engine.pieces import Address, GroupShape, PieceExchange
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
 from hf_fedshard.transports.quorum_world import UnequalQuorum
 
 from ..fake_communicator import BARRIER_TIMEOUT_S, run_federation, run_ranks
