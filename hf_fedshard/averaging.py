@@ -8,7 +8,6 @@ communicator here (`hf_fedshard.transports.mesh.mesh_communicator`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,17 +26,11 @@ class FederatedAverager(EngineAverager):
     the one-job transport over ``mesh`` (`FederationLayout.build_mesh`)."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        mesh: DeviceMesh | None = None,
-        *,
-        communicator: FederationCommunicator | Callable[[AveragingOptions], FederationCommunicator] | None = None,
-        **options: Any,
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: DeviceMesh | None = None, **options: Any
     ) -> None:
-        if communicator is None and mesh is not None:
-            communicator = functools.partial(_one_job, mesh)
-        super().__init__(model, optimizer, mesh, communicator=communicator, **options)
+        if options.get("communicator") is None and mesh is not None:
+            options["communicator"] = functools.partial(_one_job, mesh)
+        super().__init__(model, optimizer, mesh, **options)
 
 
 def _one_job(mesh: DeviceMesh, options: AveragingOptions) -> FederationCommunicator:
