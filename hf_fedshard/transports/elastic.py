@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import time
+import urllib.parse
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -44,7 +45,7 @@ from hf_fedshard.engine.heal import PeerParts, mended
 from hf_fedshard.engine.rounds import NOT_READY, HealState, join, lead, next_lineage
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.topology import FederationLayout
-from hf_fedshard.transports.members import refuse_bad_members, settings_code
+from hf_fedshard.transports.members import differing_settings, gather_fingerprints, refuse_bad_members, settings_code
 from hf_fedshard.transports.quorum_world import UnequalQuorum, quorum_process_group
 
 logger = logging.getLogger(__name__)
@@ -189,6 +190,7 @@ class ElasticFederation:
     def _start(self) -> None:
         """Start torchft's side (its Manager heartbeats to the lighthouse from now on) right before the first
         quorum: a group that heartbeats long before it asks would hold the others' quorum up to --join_timeout_s."""
+        refuse_silent_lighthouse(self.lighthouse)
         torchft, group, timeout = _import_torchft(), self.group, timedelta(seconds=self.timeout_s)
         use_cuda = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
         base = torchft.ProcessGroupNCCL if use_cuda else torchft.ProcessGroupGloo
@@ -298,10 +300,10 @@ class ElasticFederation:
 
     def _receive(self, state: dict) -> None:
         if state["fingerprint"] != self.fingerprint:
+            differences = differing_settings({"this group": self.fingerprint, "the federation": state["fingerprint"]})
             raise ConfigError(
                 f"hf_fedshard: fed_group{self.group_id} was started with other settings than the federation it "
-                f"joins ({_describe_fingerprint(self.fingerprint)} here, {_describe_fingerprint(state['fingerprint'])}"
-                " there). Start every group with the same model, fed_* settings, group size and batch."
+                f"joins: {differences}. Start every group with the same model, fed_* settings, group size and batch."
             )
         self._healed = True
         self.lineage = state["lineage"]
@@ -328,8 +330,11 @@ class ElasticFederation:
         total, squares, healed = vector[-3].item(), vector[-2].item(), vector[-1].item()
         if self.manager.errored() is not None:
             return  # the round that follows fails and forms the next quorum, which checks again
+        differences = lambda: differing_settings(  # noqa: E731  (a collective: only where the codes differ)
+            gather_fingerprints(self.peers, self.group_id, self.fingerprint)
+        )
         refuse_bad_members(counts[self.group_id], self.group_id, n, self.peers.size(), total, squares,
-                           "model, fed_* settings, group size or batch")  # fmt: skip
+                           "model, fed_* settings, group size or batch", differences)  # fmt: skip
         self.heals += int(healed)
         self._members = [g for g in range(n) if counts[g] > 0]
         step = self.manager.current_step()  # torchft healed every group behind: one count
@@ -372,5 +377,16 @@ def fingerprint(**settings: object) -> str:
     return ";".join(f"{k}={v}" for k, v in sorted(settings.items()))
 
 
-def _describe_fingerprint(text: str) -> str:
-    return text if len(text) < 300 else text[:300] + "…"
+def refuse_silent_lighthouse(address: str, within_s: float = 2.0) -> None:
+    """Refuse, in one line and within ``within_s``, a lighthouse address where nothing listens (torchft would retry
+    for the whole timeout, then raise a chained traceback). Every rank checks alike, before any collective."""
+    url = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        with socket.create_connection((url.hostname or "localhost", url.port or 80), timeout=within_s):
+            return
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+    raise ConfigError(
+        f"hf_fedshard: fed_lighthouse={address}: nothing answers there within {within_s:g} s ({reason}). Start it "
+        f"(python -m hf_fedshard.lighthouse --port {url.port or 29510}) or fix --fed_lighthouse."
+    )

@@ -1,8 +1,11 @@
 """The round protocol's rules one by one (`hf_fedshard.engine.rounds`, `hf_fedshard.engine.control`), in process:
 which group leads a quorum (I8), what the control all-reduce publishes and refuses (I2, I5), who is refused as a
-duplicate (I6), and what a group stopped past the timeout is told."""
+duplicate (I6), what a group stopped past the timeout is told, and the one-line refusals of groups that meet with
+other settings or of a lighthouse where nothing listens."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 import torch
@@ -10,6 +13,9 @@ import torch
 from hf_fedshard.engine import FederationCommunicator
 from hf_fedshard.engine.control import Norms, agree
 from hf_fedshard.engine.rounds import LINEAGE_CODES, lead, next_lineage
+from hf_fedshard.errors import ConfigError
+from hf_fedshard.transports.elastic import refuse_silent_lighthouse
+from hf_fedshard.transports.members import differing_settings, gather_fingerprints
 
 from ..fake_communicator import run_federation
 from ..round_world import STEP_S, TIMEOUT_S, World
@@ -82,3 +88,29 @@ def test_a_group_stopped_past_the_timeout_is_told_it_fell_behind_and_heals_once_
     world.stop(1, at=5.5 * STEP_S, seconds=3 * TIMEOUT_S)
     world.run().check()
     assert any("group 1" in line and "left behind: restarted" in line for line in world.log), world.log
+
+
+def test_groups_started_with_other_settings_are_told_which_setting_and_both_values():
+    fingerprints = {0: "max_steps=64;model=abc;seed=0", 1: "max_steps=64;model=abc;seed=1", 2: "model=abc;seed=0"}
+
+    def rank_fn(comm: FederationCommunicator) -> str:
+        g = comm.group
+        return differing_settings(gather_fingerprints(comm.peers, g, fingerprints[g]))
+
+    said = run_federation(3, rank_fn)
+    assert said == ["max_steps 64 in fed_group0, 64 in fed_group1, (unset) in fed_group2; seed 0 in fed_group0, 1 in "
+                    "fed_group1, 0 in fed_group2"] * 3  # fmt: skip
+
+
+def test_a_lighthouse_address_where_nothing_listens_is_refused_in_one_line():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again below: nothing listens there
+    address = f"http://127.0.0.1:{port}"
+    with pytest.raises(ConfigError, match=rf"^hf_fedshard: fed_lighthouse={address}: nothing answers") as err:
+        refuse_silent_lighthouse(address)
+    assert "\n" not in str(err.value) and f"--port {port})" in str(err.value)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        refuse_silent_lighthouse(f"http://127.0.0.1:{server.getsockname()[1]}")  # a listener: no error
