@@ -38,7 +38,11 @@ def federation_fingerprint(trainer: FedShardMixin) -> str:
         layout = args.fed_layout
     return fingerprint(
         model=model_fingerprint(trainer.model),
-        averaging=dataclasses.replace(args.fed_averaging_options, timeout_s=None),  # each group its own timeout
+        **{  # each setting on its own, so that a refusal names the one that differs; each group its own timeout
+            f"fed_{name}": value
+            for name, value in dataclasses.asdict(args.fed_averaging_options).items()
+            if name != "timeout_s"
+        },
         group=(layout.group_size, layout.shard_size),
         group_batch=args.per_device_train_batch_size * layout.group_sizes[0] * args.gradient_accumulation_steps,
         num_groups=args.fed_num_groups,
