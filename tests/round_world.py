@@ -78,6 +78,16 @@ class World:
 
         self.sim.at(at, stop)
 
+    def fail_round(self, group: int, at: float) -> None:
+        """Make ``group``'s live launch vote no in its next round (a collective that failed on one rank)."""
+
+        def fail() -> None:
+            for launch in self.live(group):
+                launch.federation.error = "injected: a collective failed on this rank"
+                self.log.append(f"{self.sim.now:.2f} fail the next round of group {group} launch {launch.id}")
+
+        self.sim.at(at, fail)
+
     def lose_lighthouse(self, at: float) -> None:
         def lose() -> None:
             self.lighthouse.lost = True

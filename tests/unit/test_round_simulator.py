@@ -51,13 +51,13 @@ def test_a_full_resume_with_staggered_starts_averages_together():
 
 def schedule(seed: int) -> tuple[World, tuple[str, ...]]:
     """A seeded fault schedule: one to three kills (each restarted after 0–10 s), stops shorter than the timeout,
-    or a lost lighthouse and a staggered full resume."""
+    rounds that do not commit (one rank votes no), or a lost lighthouse and a staggered full resume."""
     rng = random.Random(seed)
     groups = rng.choice([2, 3, 4])
     world = World(seed=seed, groups=groups)
     for g in range(groups):
         world.start(g, at=rng.choice([0.0, 0.0, rng.uniform(0, JOIN_TIMEOUT_S)]))
-    kind = rng.choice(["kills", "kills", "stops", "resume"])
+    kind = rng.choice(["kills", "kills", "stops", "votes", "resume"])
     if kind == "resume":
         lost = rng.uniform(CHECKPOINT_S + 1, (STEPS - 3) * STEP_S)
         world.lose_lighthouse(at=lost)
@@ -67,6 +67,8 @@ def schedule(seed: int) -> tuple[World, tuple[str, ...]]:
         at = rng.uniform(1, (STEPS / 2) * STEP_S)
         if kind == "kills":
             world.kill(rng.randrange(groups), at, restart_after=rng.choice([0.1, 0.5, 1, 2, 5, 10]) * rng.random())
+        elif kind == "votes":
+            world.fail_round(rng.randrange(groups), at)
         else:
             world.stop(rng.randrange(groups), at, seconds=rng.uniform(0.1, TIMEOUT_S / 2))
     return world, ()
