@@ -6,14 +6,19 @@ averaging count. The same timings, and hundreds more, run in process in tests/un
 
 from __future__ import annotations
 
+import contextlib
 import re
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.harness.faults import descendants
+
 from ..asserts import labelled
-from ..launch import Background, finish, lighthouse, start_group
+from ..launch import Background, finish, kill_tree, lighthouse, start_group
 
 FAST_SGD = ["--num_samples", "128", "--fed_sync_steps", "4", "--fed_timeout_s", "20", "--record_syncs", "false"]
 
@@ -61,16 +66,17 @@ def test_a_worker_restarted_by_torchrun_within_seconds_heals_in_phase(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_a_group_started_again_while_its_dead_launch_is_known_joins(tmp_path):
-    """3 groups × 1 rank. Group 2's worker is SIGKILLed as step 6 begins (its torchrun, with no restart, ends);
-    the same group is launched again 1 s later, while the lighthouse still knows the dead launch (heartbeats time
-    out after 5 s). It is not refused as a second fed_group_id=2: it heals and all three end on one model
-    (issue 30, failure 2)."""
+    """3 groups × 1 rank. Group 2's worker stops as step 6 begins and the test SIGKILLs its whole launch (torchrun
+    and worker, as a lost node); the same group is launched again 1 s later, while the lighthouse still knows the
+    dead launch (heartbeats time out after 5 s). It is not refused as a second fed_group_id=2: it heals and all
+    three end on one model (issue 30, failure 2)."""
     common = [*FAST_SGD, "--max_steps", "24", "--step_sleep_s", "0.3"]
     with lighthouse(min_groups=1, heartbeat_timeout_s=5.0) as address:
         survivors = [Background(start_group(g, 3, 1, tmp_path, common, address), 500) for g in range(2)]
-        killed = start_group(2, 3, 1, tmp_path, [*common, "--kill_at_step", "6", "--fault_rank", "0"], address)
-        first = finish(killed, 300)
-        assert first.returncode != 0, first.stdout[-3000:]
+        doomed = start_group(2, 3, 1, tmp_path, [*common, "--stop_at_step", "6", "--fault_rank", "0"], address)
+        wait_until_a_worker_stops(doomed, 300)
+        kill_tree(doomed)
+        assert finish(doomed, 60).returncode != 0
         time.sleep(1.0)
         again = finish(start_group(2, 3, 1, tmp_path, common, address), 500)
         results = [b.result() for b in survivors]
@@ -78,6 +84,18 @@ def test_a_group_started_again_while_its_dead_launch_is_known_joins(tmp_path):
         assert result.returncode == 0, f"group {g}:\n{result.stdout[-6000:]}"
     assert "two launches claim" not in again.stdout
     assert_one_model(tmp_path, 3, 1)
+
+
+def wait_until_a_worker_stops(launch: subprocess.Popen, timeout_s: float) -> None:
+    """Until a process below ``launch`` is stopped (SIGSTOP: state ``T`` in /proc)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pid in descendants(launch.pid, {}):
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                    return
+        time.sleep(0.2)
+    raise TimeoutError("no worker of the launch stopped")
 
 
 @pytest.mark.timeout(600)
