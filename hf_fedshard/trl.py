@@ -1,6 +1,6 @@
 """TRL's supervised fine-tuning under FL+FSDP / FL+HSDP: `FedShardSFTTrainer` and `FedShardSFTConfig`.
 
-Needs TRL (``pip install "hf_fedshard[trl]"``). The classes compose TRL's with hf_fedshard's mixins, in the order
+Needs TRL (``pip install -e ".[trl]"`` in the clone). The classes compose TRL's with hf_fedshard's mixins, in the order
 `FedShardMixin` documents: TRL's overrides run first and reach the federation through ``super()``::
 
     FedShardSFTTrainer -> SFTTrainer -> _BaseTrainer -> FedShardMixin -> Trainer
@@ -23,7 +23,7 @@ try:
     from trl import SFTConfig, SFTTrainer
 except ImportError as err:  # an optional extra: say how to get it
     raise ImportError(
-        'hf_fedshard.trl needs TRL, which is not installed. Install it with: pip install "hf_fedshard[trl]" '
+        'hf_fedshard.trl needs TRL, which is not installed. Install it with: pip install -e ".[trl]" (in the clone) '
         "(or pip install trl)."
     ) from err
 

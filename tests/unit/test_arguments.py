@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import subprocess
 import sys
 
@@ -9,6 +11,7 @@ import pytest
 from transformers import HfArgumentParser
 
 from hf_fedshard import FederatedParallelismConfig, FederationLayout, FedShardTrainingArguments
+from hf_fedshard.integrations.arguments import FedShardArgumentsMixin
 from hf_fedshard.integrations.fsdp import parallelism_config
 
 from ..launch import REPO
@@ -228,3 +231,12 @@ def test_help_documents_every_fed_setting():
         assert name in out
     assert "H: optimizer steps between two averagings" in out
     assert "Resume from the newest checkpoint in output_dir that verifies" in " ".join(out.split())
+
+
+def test_the_readme_counts_the_fed_settings_and_its_table_lists_each():
+    """The README's introduction counts the ``fed_*`` settings and its settings table has a row for each."""
+    names = [f.name for f in dataclasses.fields(FedShardArgumentsMixin) if f.name.startswith("fed_")]
+    readme = (REPO / "README.md").read_text()
+    assert re.search(r"\((\d+) `fed_\*` settings", readme).group(1) == str(len(names))
+    rows = set(re.findall(r"^\| `(fed_\w+)` \|", readme, flags=re.M))
+    assert rows == set(names), set(names) ^ rows
