@@ -63,6 +63,7 @@ from hf_fedshard.integrations.arguments import FedShardArgumentsMixin, FedShardT
 from hf_fedshard.integrations.callback import FedAvgCallback
 from hf_fedshard.integrations.card import CARD_EXTRAS, TrainingClock, clock_hidden, extend_card
 from hf_fedshard.integrations.elastic import cut_state, federation_fingerprint, register_heal_parts, resume_folder
+from hf_fedshard.integrations.file_modes import follow_umask
 from hf_fedshard.integrations.fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
 from hf_fedshard.integrations.group_eval import evaluate_each_group
 from hf_fedshard.integrations.group_gather import gathers_within_group
@@ -601,7 +602,13 @@ class FedShardMixin(Trainer):
         # group gets its own model back), FSDP2's shards gathered (Trainer writes nothing for SHARDED_STATE_DICT).
         # Federated checkpoints never come here (see _save_checkpoint), so this gathers for exports only.
         if self.fed_callback is None:
-            return super().save_model(output_dir, _internal_call)
+            super().save_model(output_dir, _internal_call)
+        else:
+            self._save_global_model(output_dir, _internal_call)
+        if self.args.should_save:  # safetensors writes its files 0600: the weights get the umask's mode like the rest
+            follow_umask(output_dir or self.args.output_dir)
+
+    def _save_global_model(self, output_dir: str | None, _internal_call: bool) -> None:
         with self.fed_callback.global_model():
             if self.accelerator.state.fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
                 return super().save_model(output_dir, _internal_call)
