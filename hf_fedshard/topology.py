@@ -96,7 +96,15 @@ class FederationLayout:
 
     @classmethod
     def from_env(cls, group_size: int | tuple[int, ...] | None, shard_size: int | None) -> FederationLayout:
-        """Layout for the job this process belongs to; reads ``WORLD_SIZE`` so it needs no process group."""
+        """Layout for the job this process belongs to; reads ``WORLD_SIZE`` so it needs no process group. A
+        process started without a launcher (no ``WORLD_SIZE``) that asks for groups of several ranks is told to
+        use one, rather than to change a size that is right."""
+        asked = sum(group_size) if isinstance(group_size, tuple) else group_size or 1
+        if "WORLD_SIZE" not in os.environ and max(asked, shard_size or 1) > 1:
+            raise ConfigError(
+                f"fed_group_size={group_size} needs several processes, but this one was started without a launcher "
+                "(no WORLD_SIZE): run it with accelerate launch --num_processes N (or torchrun --nproc_per_node N)."
+            )
         return cls(int(os.environ.get("WORLD_SIZE", "1")), group_size, shard_size)
 
     @property
