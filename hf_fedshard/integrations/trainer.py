@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import StateDictType
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback, TrainerCallback
 from transformers.trainer_utils import (
     PREFIX_CHECKPOINT_DIR,
     IntervalStrategy,
@@ -161,7 +161,14 @@ class FedShardMixin(Trainer):
         if self.fed_communicator is not None:
             before_eval = self._evaluate_each_group if self.args.fed_eval_per_group else None
             self.fed_callback = FedAvgCallback(self.fed_communicator, self.args.fed_averaging_options, before_eval)
-            self.add_callback(self.fed_callback)
+            self._add_before_progress(self.fed_callback)
+
+    def _add_before_progress(self, callback: TrainerCallback) -> None:
+        """Add ``callback`` ahead of the progress bar's, so that what it says at train begin (the averaging it
+        builds) is printed before the bar is drawn, not inside it."""
+        callbacks = self.callback_handler.callbacks
+        bar = next((i for i, c in enumerate(callbacks) if isinstance(c, ProgressCallback | PrinterCallback)), None)
+        callbacks.insert(len(callbacks) if bar is None else bar, callback)
 
     @property
     def fed_layout(self) -> FederationLayout:
