@@ -229,7 +229,7 @@ class SimulatedFederation:
         sim: the scheduler and clock.
         lighthouse: the federation's fake lighthouse.
         launch: this launch (its group id and launch id).
-        num_groups: the nominal number of groups (a federation that has not averaged yet waits for all).
+        num_groups: the nominal number of groups (a launch that did not heal waits for all at its first quorum).
         timeout_s: how long a collective, a vote or a quorum waits (``fed_timeout_s``).
         heal: the parts of this launch's state (`hf_fedshard.engine.rounds.HealState`).
     """
