@@ -383,6 +383,16 @@ def correct_card_text(text: str, trainer: FedShardTrainer, start: Start, dataset
                   lambda m: m[1] + quick_start(location, chat) + m[2], text, count=1, flags=re.S)  # fmt: skip
 
 
+def correct_card(card: ModelCard, trainer: FedShardTrainer, finetuned_from: str | None, dataset: str | None) -> None:
+    """Metadata and text of the upstream card made right for what ran: ``base_model`` (from the model's own
+    origin unless ``finetuned_from`` is given), the license a recorded origin names, no TRL placeholders."""
+    start = starting_point(finetuned_from or getattr(trainer.model.config, "_name_or_path", None))
+    card.data.base_model = start.base_model
+    card.data.license = card.data.license or start.license
+    card.data.pop("licence", None)  # TRL's misspelt placeholder ("licence: license")
+    card.text = correct_card_text(card.text, trainer, start, dataset)
+
+
 def extend_card(
     trainer: FedShardTrainer,
     dataset: str | None = None,
@@ -404,11 +414,7 @@ def extend_card(
     out = Path(trainer.args.output_dir)
     path = out / "README.md"
     card = ModelCard.load(path)
-    start = starting_point(finetuned_from or getattr(trainer.model.config, "_name_or_path", None))
-    card.data.base_model = start.base_model
-    card.data.license = card.data.license or start.license
-    card.data.pop("licence", None)  # TRL's misspelt placeholder ("licence: license")
-    card.text = correct_card_text(card.text, trainer, start, dataset or dataset_name)
+    correct_card(card, trainer, finetuned_from, dataset or dataset_name)
     layout = trainer.fed_layout
     tags = ["hf_fedshard"]
     if trainer.is_fsdp_enabled:
