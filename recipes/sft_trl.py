@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer.create_model_card(
         model_name=Path(args.output_dir).name,
         dataset_name=script.dataset_name,
+        hub_dataset=script.dataset_name not in EMBEDDED,
         tokens_per_sample=args.max_length,
         command=shlex.join(["recipes/sft_trl.py", *(sys.argv[1:] if argv is None else argv)]),
     )

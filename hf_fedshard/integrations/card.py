@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 TEMPLATE = Path(__file__).parent / "templates" / "card_section.md"
 PLOT_NAME = "training_curves.png"
-CARD_EXTRAS = ("tokens_per_sample", "command")  # create_model_card keywords for hf_fedshard's section only
+# create_model_card keywords for hf_fedshard's part of the card only
+CARD_EXTRAS = ("tokens_per_sample", "command", "hub_dataset")
 PAPER_TITLE = "Accelerating Sharded Data Parallelism at Scale with Federated Learning"
 PAPER_BIBTEX = """@inproceedings{fedshard2026,
   title     = {Accelerating Sharded Data Parallelism at Scale with Federated Learning},
@@ -383,13 +384,18 @@ def correct_card_text(text: str, trainer: FedShardTrainer, start: Start, dataset
                   lambda m: m[1] + quick_start(location, chat) + m[2], text, count=1, flags=re.S)  # fmt: skip
 
 
-def correct_card(card: ModelCard, trainer: FedShardTrainer, finetuned_from: str | None, dataset: str | None) -> None:
+def correct_card(
+    card: ModelCard, trainer: FedShardTrainer, finetuned_from: str | None, dataset: str | None, hub_dataset: bool = True
+) -> None:
     """Metadata and text of the upstream card made right for what ran: ``base_model`` (from the model's own
-    origin unless ``finetuned_from`` is given), the license a recorded origin names, no TRL placeholders."""
+    origin unless ``finetuned_from`` is given), the license a recorded origin names, no TRL placeholders, and no
+    ``datasets`` entry (a Hub link) for data that is not a Hub dataset."""
     start = starting_point(finetuned_from or getattr(trainer.model.config, "_name_or_path", None))
     card.data.base_model = start.base_model
     card.data.license = card.data.license or start.license
     card.data.pop("licence", None)  # TRL's misspelt placeholder ("licence: license")
+    if not hub_dataset:
+        card.data.datasets = None
     card.text = correct_card_text(card.text, trainer, start, dataset)
 
 
@@ -400,6 +406,7 @@ def extend_card(
     tokens_per_sample: int | None = None,
     command: str | None = None,
     finetuned_from: str | None = None,
+    hub_dataset: bool = True,
     **_unused: Any,
 ) -> Path:
     """Add hf_fedshard's section, tags, plot and eval perplexity to the card the trainer just wrote (Trainer's or
@@ -410,11 +417,12 @@ def extend_card(
         tokens_per_sample: tokens in one sample (block size), for the token counts of the results table.
         command: the script and its arguments, for "How to reproduce".
         finetuned_from: where the model started, if not where it was loaded from (`Trainer.create_model_card`).
+        hub_dataset: False for data that is not a Hub dataset (an offline corpus, local files): no Hub link to it.
     """
     out = Path(trainer.args.output_dir)
     path = out / "README.md"
     card = ModelCard.load(path)
-    correct_card(card, trainer, finetuned_from, dataset or dataset_name)
+    correct_card(card, trainer, finetuned_from, dataset or dataset_name, hub_dataset)
     layout = trainer.fed_layout
     tags = ["hf_fedshard"]
     if trainer.is_fsdp_enabled:
