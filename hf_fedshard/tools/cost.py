@@ -673,26 +673,34 @@ def three_tier_report(setting: Setting) -> str:
     return "\n".join(lines)
 
 
-class _Help(argparse.RawTextHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written, and every option's default."""
-
-
 def make_parser() -> argparse.ArgumentParser:
     setting = paper_setting()
-    parser = argparse.ArgumentParser(
-        prog="python -m hf_fedshard.tools.cost", description=__doc__.splitlines()[0], formatter_class=_Help
+    parser = argparse.ArgumentParser(  # a one-line description: help lines wrap to the terminal, defaults shown
+        prog="python -m hf_fedshard.tools.cost",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    two_tier = "two-tier projection only; the three-tier one is Leonardo's"
     parser.add_argument(
         "--inter-node-gbit",
         type=float,
         default=setting.network.inter_node_bytes_s * 8 / 1e9,
-        help="Inter-node bandwidth per node, Gb/s (default: one HDR InfiniBand port).",
+        help=f"Inter-node bandwidth per node, Gb/s: one HDR InfiniBand port ({two_tier}).",
     )
     parser.add_argument("--mfu", type=float, default=setting.mfu, help="Model FLOP utilisation of the compute.")
-    parser.add_argument("--sync-steps", type=int, default=setting.sync_steps, help="H.")
-    parser.add_argument("--world-size", type=int, default=setting.world_size, help="Ranks (GPUs) in the job.")
-    parser.add_argument("--ranks-per-node", type=int, default=setting.ranks_per_node, help="Ranks (GPUs) per node.")
-    parser.add_argument("--cell-gbit", type=float, help="Three tiers: a Leonardo cell's uplink, Gb/s (untapered).")
+    parser.add_argument("--sync-steps", type=int, default=setting.sync_steps, help="H: steps between two averagings.")
+    parser.add_argument(
+        "--world-size", type=int, default=setting.world_size, help=f"Ranks (GPUs) in the job ({two_tier})."
+    )
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=setting.ranks_per_node, help=f"Ranks per node ({two_tier})."
+    )
+    parser.add_argument(
+        "--cell-gbit",
+        type=float,
+        default=LEONARDO_CELL_NODES * LEONARDO_PAIR_GBIT,
+        help="Three tiers: a Leonardo cell's uplink, Gb/s: its nodes' pair links added up (untapered, assumed).",
+    )
     return parser  # fmt: skip
 
 

@@ -16,7 +16,9 @@ from hf_fedshard.tools.cost import (
     bandwidth_for_speedup,
     llama_parameters,
     main,
+    make_parser,
     paper_setting,
+    peak_speedup,
     ring_hop_bytes,
     ring_hops,
     speedups,
@@ -309,3 +311,23 @@ def test_the_output_quoted_in_benchmarks_readme_is_what_the_tool_prints(capsys):
     assert quoted.split("\n```", 1)[0] == "\n".join(printed[start:end]).rstrip("\n")
     paragraph = readme.split("**What would have to be true for 8.04×** (printed by the same command): ", 1)[1]
     assert paragraph.split("\n", 1)[0] == printed[end].split(": ", 1)[1]
+
+
+def test_help_names_the_module_and_gives_every_option_a_help_and_its_default():
+    """``--help`` is what a reader runs first: it must show the command they type and what each option does."""
+    parser = make_parser()
+    assert parser.format_usage().startswith("usage: python -m hf_fedshard.tools.cost ")
+    options = [a for a in parser._actions if a.dest != "help"]
+    assert all(a.help and a.default is not None for a in options), [a.dest for a in options]
+    text = " ".join(parser.format_help().split())
+    assert "(default: 200.0)" in text and "(default: 1600.0)" in text
+
+
+def test_no_speedup_printed_exceeds_the_limit_it_is_given():
+    """The printed limit of a method that never reaches 8.04× (the ratio of its bytes) bounds the speedup at every
+    bandwidth: the tool once printed a "ceiling" below a figure it reached."""
+    setting = paper_setting()
+    peak, _ = peak_speedup(setting, "FL+FSDP")
+    costs = setting.costs()
+    assert peak <= costs["FSDP"].inter_bytes_per_node / costs["FL+FSDP"].inter_bytes_per_node + 1e-9
+    assert peak < PAPER_HEADLINE_SPEEDUP
