@@ -17,6 +17,7 @@ them. (Accelerate reads the mesh through `hf_fedshard.integrations.fsdp.Federate
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -97,14 +98,10 @@ class FederationLayout:
     @classmethod
     def from_env(cls, group_size: int | tuple[int, ...] | None, shard_size: int | None) -> FederationLayout:
         """Layout for the job this process belongs to; reads ``WORLD_SIZE`` so it needs no process group. A
-        process started without a launcher (no ``WORLD_SIZE``) that asks for groups of several ranks is told to
-        use one, rather than to change a size that is right."""
-        asked = sum(group_size) if isinstance(group_size, tuple) else group_size or 1
-        if "WORLD_SIZE" not in os.environ and max(asked, shard_size or 1) > 1:
-            raise ConfigError(
-                f"fed_group_size={group_size} needs several processes, but this one was started without a launcher "
-                "(no WORLD_SIZE): run it with accelerate launch --num_processes N (or torchrun --nproc_per_node N)."
-            )
+        process started without a launcher (no ``WORLD_SIZE``) that asks for several ranks is told to use one,
+        rather than to change a size that is right (`launcher_needed`)."""
+        if "WORLD_SIZE" not in os.environ and (message := launcher_needed(group_size, shard_size)):
+            raise ConfigError(message)
         return cls(int(os.environ.get("WORLD_SIZE", "1")), group_size, shard_size)
 
     @property
@@ -275,6 +272,27 @@ def parse_group_size(value: int | str | Sequence[int] | None) -> int | tuple[int
             "(groups of 4 ranks) or --fed_group_size 4,2,2 (one size per group)."
         ) from None
     return sizes[0] if len(sizes) == 1 else sizes
+
+
+def launcher_needed(group_size: int | tuple[int, ...] | None, shard_size: int | None) -> str | None:
+    """The one line for sizes above one rank in a single process (plain ``python``, no launcher), else ``None``.
+
+    Shrinking the sizes to 1 would "fix" it into a run without a federation, so the line names the setting as
+    typed, both launchers and a process count that fits: two groups of ``fed_group_size`` (the smallest
+    federation), the listed groups, or one group of ``fed_shard_size``.
+    """
+    sizes = group_size if isinstance(group_size, tuple) else (group_size or 1,)
+    if max(sum(sizes), shard_size or 1) <= 1 or min(sizes) < 1:
+        return None  # one rank asked for, or sizes the layout refuses with its own message
+    processes = max(2 * sizes[0] if isinstance(group_size, int) else sum(sizes), shard_size or 1)
+    listed = ",".join(map(str, sizes))
+    setting = f"fed_shard_size={shard_size}" if group_size is None else f"fed_group_size={listed}"
+    script = sys.argv[0] if sys.argv[0].endswith(".py") else "your_script.py"
+    return (
+        f"{setting} needs several processes, but this one was started without a launcher (no WORLD_SIZE): run "
+        f"`accelerate launch --num_processes {processes} {script} ...` or `torchrun --nproc_per_node {processes} "
+        f"{script} ...`, not plain `python`."
+    )
 
 
 def _unequal_sizes(sizes: tuple[int, ...], world_size: int, shard_size: int | None) -> int | tuple[int, ...]:
