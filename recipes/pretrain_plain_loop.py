@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, default_data_collator, set_seed
 
 from hf_fedshard import FederatedAverager, FederationLayout
 from hf_fedshard.errors import exit_on_config_error
+from hf_fedshard.integrations.file_modes import follow_umask
 from hf_fedshard.tools.data import load_text, pack, train_bpe_tokenizer
 from hf_fedshard.tools.models import PRESETS, SMOLLM2, build_model, resolve_model
 from hf_fedshard.transports.mesh import fsdp_mesh
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if accelerator.is_main_process:
             model.save_pretrained(opts.output_dir, state_dict=state)
             tokenizer.save_pretrained(opts.output_dir)
+            follow_umask(opts.output_dir)  # safetensors writes the weights 0600, the rest gets the umask's mode
     return {"eval_loss": eval_loss, "eval_perplexity": math.exp(eval_loss), **averager.metrics()}
 
 
