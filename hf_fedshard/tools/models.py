@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.card import ORIGIN_FILE
+from hf_fedshard.integrations.file_modes import follow_umask
 from hf_fedshard.tools.data import cache_home, publish
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -85,6 +86,7 @@ def _dequantize(gguf: Path, out: Path, origin: dict) -> None:
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     (out / ORIGIN_FILE).write_text(json.dumps(origin, indent=1) + "\n")
+    follow_umask(out)  # safetensors writes 0600: the cached model is readable like the rest of the folder
 
 
 def smollm2_folder() -> Path:
