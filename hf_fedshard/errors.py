@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -14,9 +15,12 @@ class ConfigError(ValueError):
 
 
 def exit_on_config_error(main: Callable[[], T]) -> T:
-    """Run a script's ``main``; a `ConfigError` ends it with one ``error:`` line and exit status 2."""
+    """Run a script's ``main``; a `ConfigError` ends it with exit status 2 and one ``error:`` line, printed by the
+    first rank only (every rank reads the same settings, so every rank refuses alike; the launcher then adds its own
+    summary of the failed ranks)."""
     try:
         return main()
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import subprocess
 import sys
 
@@ -9,6 +11,8 @@ import pytest
 from transformers import HfArgumentParser
 
 from hf_fedshard import FederatedParallelismConfig, FederationLayout, FedShardTrainingArguments
+from hf_fedshard.errors import ConfigError
+from hf_fedshard.integrations.arguments import FedShardArgumentsMixin
 from hf_fedshard.integrations.fsdp import parallelism_config
 
 from ..launch import REPO
@@ -228,3 +232,23 @@ def test_help_documents_every_fed_setting():
         assert name in out
     assert "H: optimizer steps between two averagings" in out
     assert "Resume from the newest checkpoint in output_dir that verifies" in " ".join(out.split())
+
+
+def test_the_readme_counts_the_fed_settings_and_its_table_lists_each():
+    """The README's introduction counts the ``fed_*`` settings and its settings table has a row for each."""
+    names = [f.name for f in dataclasses.fields(FedShardArgumentsMixin) if f.name.startswith("fed_")]
+    readme = (REPO / "README.md").read_text()
+    assert re.search(r"\((\d+) `fed_\*` settings", readme).group(1) == str(len(names))
+    rows = set(re.findall(r"^\| `(fed_\w+)` \|", readme, flags=re.M))
+    assert rows == set(names), set(names) ^ rows
+
+
+def test_groups_of_several_ranks_in_a_process_started_without_a_launcher_say_to_use_one(monkeypatch):
+    """``python recipes/pretrain_clm.py --fed_group_size 2`` (no WORLD_SIZE): the fix is the launcher, not the size."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    parser = HfArgumentParser(FedShardTrainingArguments)
+    with pytest.raises(ConfigError, match=r"^fed_group_size=2 needs several processes, .* accelerate launch") as err:
+        parser.parse_args_into_dataclasses(["--output_dir", "unused", "--report_to", "none", "--fed_group_size", "2"])
+    assert "\n" not in str(err.value)
+    (one,) = parser.parse_args_into_dataclasses(["--output_dir", "unused", "--report_to", "none"])
+    assert one.fed_layout.world_size == 1  # a plain run without fed_* settings still runs on one process

@@ -23,7 +23,9 @@ from hf_fedshard.tools.cost import (
     step_cost,
 )
 from hf_fedshard.tools.models import PRESETS, llama_config
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
+
+from ..launch import REPO
 
 
 def test_ring_hop_bytes_of_each_collective():
@@ -293,3 +295,17 @@ def test_groups_of_unequal_size_send_each_piece_to_its_owner_and_back(sizes, sha
         step_cost(model, layout, 2, 1).inter_bytes_per_node - step_cost(model, layout, 2, None).inter_bytes_per_node
     )
     assert averaging * 4 == pytest.approx(inter_mb * 1e6, rel=1e-9)
+
+
+def test_the_output_quoted_in_benchmarks_readme_is_what_the_tool_prints(capsys):
+    """benchmarks/README.md quotes the three-tier part of ``python -m hf_fedshard.tools.cost`` and its "what would
+    have to be true" paragraph: both must be the tool's output now (a figure the model changes changes the quote)."""
+    main([])
+    printed = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(printed) if line.startswith("Three tiers,"))
+    end = next(i for i, line in enumerate(printed) if line.startswith("What would have to be true"))
+    readme = (REPO / "benchmarks" / "README.md").read_text()
+    quoted = readme.split("Output of `python -m hf_fedshard.tools.cost` (three-tier part):\n\n```\n", 1)[1]
+    assert quoted.split("\n```", 1)[0] == "\n".join(printed[start:end]).rstrip("\n")
+    paragraph = readme.split("**What would have to be true for 8.04×** (printed by the same command): ", 1)[1]
+    assert paragraph.split("\n", 1)[0] == printed[end].split(": ", 1)[1]
