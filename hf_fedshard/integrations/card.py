@@ -388,12 +388,15 @@ def correct_card(
     card: ModelCard, trainer: FedShardTrainer, finetuned_from: str | None, dataset: str | None, hub_dataset: bool = True
 ) -> None:
     """Metadata and text of the upstream card made right for what ran: ``base_model`` (from the model's own
-    origin unless ``finetuned_from`` is given), the license a recorded origin names, no TRL placeholders, and no
-    ``datasets`` entry (a Hub link) for data that is not a Hub dataset."""
+    origin unless ``finetuned_from`` is given) and the tags naming it, the license a recorded origin names, no TRL
+    placeholders, and no ``datasets`` entry (a Hub link) for data that is not a Hub dataset."""
     start = starting_point(finetuned_from or getattr(trainer.model.config, "_name_or_path", None))
     card.data.base_model = start.base_model
     card.data.license = card.data.license or start.license
     card.data.pop("licence", None)  # TRL's misspelt placeholder ("licence: license")
+    # PEFT tags an adapter "base_model:adapter:<where it was loaded from>", a local path for a converted model.
+    base = f":{start.base_model}"
+    card.data.tags = [t for t in card.data.tags or [] if not t.startswith("base_model:") or t.endswith(base)] or None
     if not hub_dataset:
         card.data.datasets = None
     card.text = correct_card_text(card.text, trainer, start, dataset)

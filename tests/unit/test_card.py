@@ -104,6 +104,15 @@ def test_trl_card_names_the_local_model_it_started_from_and_loads_this_one(tmp_p
     assert {"licence", "base_model", "datasets"}.isdisjoint(card.data.to_dict())
 
 
+def test_adapter_card_names_the_hub_model_not_the_converted_folder(tmp_path):
+    folder = tmp_path / "smollm2"
+    folder.mkdir()
+    (folder / ORIGIN_FILE).write_text(json.dumps(SMOLLM2_ORIGIN))
+    card = ModelCard(f"---\ntags:\n- base_model:adapter:{folder}\n- lora\n---\n")  # as PEFT's save_pretrained tags it
+    correct_card(card, fake_trainer(tmp_path, str(folder)), None, "kjv")
+    assert card.data.tags == ["lora"] and card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
 def test_card_names_the_device_that_ran():
     text = "- seed: 42\n- distributed_type: multi-GPU\n- num_devices: 4\n"
     fixed = correct_card_text(text, fake_trainer(Path("/tmp"), ""), Start(), None)
