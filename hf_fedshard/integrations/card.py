@@ -335,6 +335,7 @@ def optimizer_description(args: Any) -> str:
 
 
 def _model_description(model: Any) -> str:
+    """Trainer's "Model description" placeholder: the shape, from the config (DTensor parameters count whole)."""
     config = model.config
     tied = ", tied input and output embeddings" if getattr(config, "tie_word_embeddings", False) else ""
     return (
@@ -345,19 +346,20 @@ def _model_description(model: Any) -> str:
 
 
 def _data_description(trainer: FedShardTrainer, dataset: str | None) -> str | None:
+    """Trainer's "Training and evaluation data" placeholder: the dataset as given and its sizes (None: unknown)."""
+    if dataset is None:
+        return None
     sizes = [
         f"{len(data):,} {split} samples"
         for split, data in (("training", trainer.train_dataset), ("evaluation", trainer.eval_dataset))
         if hasattr(data, "__len__") and not isinstance(data, dict)
     ]
-    if dataset is None:
-        return None
     return f"The {dataset} dataset" + (f": {' and '.join(sizes)}." if sizes else ".")
 
 
 def quick_start(location: str, chat: bool) -> str:
-    """TRL's snippet, loading this model (TRL's names ``hub_model_id``, None unless pushed), with a chat prompt
-    only where the tokenizer has a chat template."""
+    """TRL's quick-start snippet, loading this model from ``location`` (TRL's loads ``hub_model_id``: "None" unless
+    pushed), with a chat prompt only where the tokenizer has a chat template."""
     load = f'generator = pipeline("text-generation", model="{location}")\n'
     if chat:
         prompt = '[{"role": "user", "content": "What is the capital of France?"}]'
