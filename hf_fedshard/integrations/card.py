@@ -335,6 +335,7 @@ def optimizer_description(args: Any) -> str:
 
 
 def _model_description(model: Any) -> str:
+    """Trainer's "Model description" placeholder: the shape, from the config (DTensor parameters count whole)."""
     config = model.config
     tied = ", tied input and output embeddings" if getattr(config, "tie_word_embeddings", False) else ""
     return (
@@ -345,19 +346,20 @@ def _model_description(model: Any) -> str:
 
 
 def _data_description(trainer: FedShardTrainer, dataset: str | None) -> str | None:
+    """Trainer's "Training and evaluation data" placeholder: the dataset as given and its sizes (None: unknown)."""
+    if dataset is None:
+        return None
     sizes = [
         f"{len(data):,} {split} samples"
         for split, data in (("training", trainer.train_dataset), ("evaluation", trainer.eval_dataset))
         if hasattr(data, "__len__") and not isinstance(data, dict)
     ]
-    if dataset is None:
-        return None
     return f"The {dataset} dataset" + (f": {' and '.join(sizes)}." if sizes else ".")
 
 
 def quick_start(location: str, chat: bool) -> str:
-    """TRL's snippet, loading this model (TRL's names ``hub_model_id``, None unless pushed), with a chat prompt
-    only where the tokenizer has a chat template."""
+    """TRL's quick-start snippet, loading this model from ``location`` (TRL's loads ``hub_model_id``: "None" unless
+    pushed), with a chat prompt only where the tokenizer has a chat template."""
     load = f'generator = pipeline("text-generation", model="{location}")\n'
     if chat:
         prompt = '[{"role": "user", "content": "What is the capital of France?"}]'
@@ -388,12 +390,15 @@ def correct_card(
     card: ModelCard, trainer: FedShardTrainer, finetuned_from: str | None, dataset: str | None, hub_dataset: bool = True
 ) -> None:
     """Metadata and text of the upstream card made right for what ran: ``base_model`` (from the model's own
-    origin unless ``finetuned_from`` is given), the license a recorded origin names, no TRL placeholders, and no
-    ``datasets`` entry (a Hub link) for data that is not a Hub dataset."""
+    origin unless ``finetuned_from`` is given) and the tags naming it, the license a recorded origin names, no TRL
+    placeholders, and no ``datasets`` entry (a Hub link) for data that is not a Hub dataset."""
     start = starting_point(finetuned_from or getattr(trainer.model.config, "_name_or_path", None))
     card.data.base_model = start.base_model
     card.data.license = card.data.license or start.license
     card.data.pop("licence", None)  # TRL's misspelt placeholder ("licence: license")
+    # PEFT tags an adapter "base_model:adapter:<where it was loaded from>", a local path for a converted model.
+    base = f":{start.base_model}"
+    card.data.tags = [t for t in card.data.tags or [] if not t.startswith("base_model:") or t.endswith(base)] or None
     if not hub_dataset:
         card.data.datasets = None
     card.text = correct_card_text(card.text, trainer, start, dataset)

