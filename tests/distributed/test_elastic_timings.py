@@ -7,7 +7,6 @@ averaging count. The same timings, and hundreds more, run in process in tests/un
 from __future__ import annotations
 
 import contextlib
-import re
 import subprocess
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from benchmarks.harness.faults import descendants
 from ..asserts import labelled
 from ..launch import Background, finish, kill_tree, lighthouse, start_group
 
-FAST_SGD = ["--num_samples", "128", "--fed_sync_steps", "4", "--fed_timeout_s", "20", "--record_syncs", "false"]
+FAST_SGD = ["--num_samples", "128", "--fed_sync_steps", "4", "--fed_timeout_s", "60", "--record_syncs", "false"]
 
 
 def assert_one_model(out_dir, groups: int, ranks: int) -> None:
@@ -41,37 +40,34 @@ def assert_one_model(out_dir, groups: int, ranks: int) -> None:
 
 @pytest.mark.timeout(600)
 def test_a_worker_restarted_by_torchrun_within_seconds_heals_in_phase(tmp_path):
-    """2 groups × 2 ranks, H = 4, 24 steps. Group 1's rank 0 is SIGKILLed as step 10 begins and torchrun brings
-    the group back at once (preloaded: in about 2 s), while group 0 redoes its averaging of step 12 (it holds
-    there until the restart is up). The restarted group heals from the state group 0 committed at step 8, trains
-    9–12 and averages with it (or, if group 0's redo committed alone first, from its step 12); both end on one
-    model with one count (issue 30, failure 1)."""
-    marker = tmp_path / "group1-restarted"
+    """2 groups × 2 ranks, H = 4, 24 steps, a lighthouse that forms quorums of both groups only (so that neither
+    goes on alone however slow the machine). Group 1's rank 0 is SIGKILLed as step 10 begins and torchrun brings the
+    group back at once (preloaded: in about 2 s), while group 0's averaging of step 12 fails and waits for a quorum.
+    The restarted group heals from the state group 0 committed at step 8 (not from its live state of step 12),
+    trains 9–12 and averages with it; both end on one model with one count (issue 30, failure 1)."""
     common = [*FAST_SGD, "--max_steps", "24", "--step_sleep_s", "0.2"]
-    kill = ["--kill_at_step", "10", "--fault_rank", "0", "--fault_group", "1", "--restart_marker", marker]
-    hold = ["--hold_at_step", "12", "--hold_until", marker]
-    with lighthouse(min_groups=1, heartbeat_timeout_s=5.0) as address:
+    kill = ["--kill_at_step", "10", "--fault_rank", "0", "--fault_group", "1"]
+    with lighthouse(min_groups=2, heartbeat_timeout_s=5.0) as address:
         launches = [
-            start_group(g, 2, 2, tmp_path, [*common, *(kill if g == 1 else hold)], address, max_restarts=g)
+            start_group(g, 2, 2, tmp_path, [*common, *(kill if g == 1 else [])], address, max_restarts=g)
             for g in range(2)
         ]
         results = [finish(launch, 500) for launch in launches]
     for g, result in enumerate(results):
         assert result.returncode == 0, f"group {g}:\n{result.stdout[-6000:]}"
-    assert re.search(r"healed from a live group: resuming at step (8|12) ", results[1].stdout), results[1].stdout[
-        -3000:
-    ]
+    assert "healed from a live group: resuming at step 8 " in results[1].stdout, results[1].stdout[-3000:]
     assert_one_model(tmp_path, 2, 2)
 
 
 @pytest.mark.timeout(600)
 def test_a_group_started_again_while_its_dead_launch_is_known_joins(tmp_path):
-    """3 groups × 1 rank. Group 2's worker stops as step 6 begins and the test SIGKILLs its whole launch (torchrun
-    and worker, as a lost node); the same group is launched again 1 s later, while the lighthouse still knows the
-    dead launch (heartbeats time out after 5 s). It is not refused as a second fed_group_id=2: it heals and all
-    three end on one model (issue 30, failure 2)."""
+    """3 groups × 1 rank, a lighthouse that forms quorums of all three only (the survivors wait for group 2 instead
+    of finishing without it on a slow machine). Group 2's worker stops as step 6 begins and the test SIGKILLs its
+    whole launch (torchrun and worker, as a lost node); the same group is launched again 1 s later, while the
+    lighthouse still knows the dead launch (heartbeats time out after 5 s). It is not refused as a second
+    fed_group_id=2: it heals and all three end on one model (issue 30, failure 2)."""
     common = [*FAST_SGD, "--max_steps", "24", "--step_sleep_s", "0.3"]
-    with lighthouse(min_groups=1, heartbeat_timeout_s=5.0) as address:
+    with lighthouse(min_groups=3, heartbeat_timeout_s=5.0) as address:
         survivors = [Background(start_group(g, 3, 1, tmp_path, common, address), 500) for g in range(2)]
         doomed = start_group(2, 3, 1, tmp_path, [*common, "--stop_at_step", "6", "--fault_rank", "0"], address)
         wait_until_a_worker_stops(doomed, 300)
@@ -102,12 +98,14 @@ def wait_until_a_worker_stops(launch: subprocess.Popen, timeout_s: float) -> Non
 def test_a_full_resume_with_groups_started_seconds_apart_averages_together(tmp_path):
     """3 groups × 1 rank checkpoint every 4 steps; the lighthouse is killed once every group has checkpoint-8, so
     every group fails at its next averaging. A new lighthouse, and the groups resumed (fed_auto_resume) 0, 5 and
-    10 s apart: the first ones wait for the others (up to fed_timeout_s 20), the norms saved for 3 groups never meet
-    a smaller quorum, and all three end on one model with one count (issue 30, failure 3)."""
+    10 s apart: the first ones wait for the others at their first quorum (up to fed_timeout_s, 60 s here), the norms
+    saved for 3 groups never meet a smaller quorum, and all three end on one model with one count (issue 30,
+    failure 3)."""
     common = [*FAST_SGD, "--max_steps", "20", "--save_strategy", "steps", "--save_steps", "4",
               "--fed_auto_resume", "true"]  # fmt: skip
     with lighthouse(min_groups=1) as address:
-        launches = [start_group(g, 3, 1, tmp_path, [*common, "--step_sleep_s", "0.5"], address) for g in range(3)]
+        first = [*common, "--step_sleep_s", "0.5", "--fed_timeout_s", "20"]  # each fails 20 s after the loss
+        launches = [start_group(g, 3, 1, tmp_path, first, address) for g in range(3)]
         deadline = time.monotonic() + 300
         while not all((tmp_path / f"fed_group{g}" / "checkpoint-8").exists() for g in range(3)):
             assert time.monotonic() < deadline, "no checkpoint-8 in every group"
