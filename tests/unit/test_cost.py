@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -293,3 +295,39 @@ def test_groups_of_unequal_size_send_each_piece_to_its_owner_and_back(sizes, sha
         step_cost(model, layout, 2, 1).inter_bytes_per_node - step_cost(model, layout, 2, None).inter_bytes_per_node
     )
     assert averaging * 4 == pytest.approx(inter_mb * 1e6, rel=1e-9)
+
+
+BENCHMARKS_README = Path(__file__).resolve().parents[2] / "benchmarks" / "README.md"
+
+
+def test_benchmarks_readme_quotes_what_the_cli_prints(capsys):
+    """The three-tier block and its "what would have to be true" paragraph in benchmarks/README.md are the tool's
+    output today: a change to the model that moves a figure must move the quote too."""
+    main([])
+    out = capsys.readouterr().out
+    text = BENCHMARKS_README.read_text()
+    quoted = r"Output of `python -m hf_fedshard.tools.cost` \(three-tier part\):\n\n```\n(.*?)\n```"
+    block = re.search(quoted, text, re.S)
+    assert block is not None, "the quoted three-tier output is gone from benchmarks/README.md"
+    assert block.group(1) in out
+    said = r"\*\*(What would have to be true for [\d.]+×)\*\* \(printed by the same command\): (.*)"
+    paragraph = re.search(said, text)
+    assert f"{paragraph.group(1)}: {paragraph.group(2)}" in out
+
+
+def test_unreached_headline_names_the_ceiling_below_it(capsys):
+    """At no bandwidth does the two-tier FL+FSDP reach 8.04×: the line says it never does, and why."""
+    main([])
+    out = capsys.readouterr().out
+    assert "The model never reaches 8.04×: its speedup rises towards its ceiling, 7.92×" in out
+    assert "at no bandwidth" not in out
+
+
+def test_help_names_the_module_and_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m hf_fedshard.tools.cost")
+    options = re.findall(r"^  (--[a-z-]+)", out, re.M)
+    assert options == ["--inter-node-gbit", "--mfu", "--sync-steps", "--world-size", "--ranks-per-node", "--cell-gbit"]
+    assert out.count("(default: ") == len(options)
