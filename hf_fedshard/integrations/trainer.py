@@ -59,7 +59,7 @@ from hf_fedshard.engine import FederationCommunicator, ProcessGroupCommunicator
 from hf_fedshard.engine.payload import all_finite, load_model_state, model_state_tensors
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.arguments import FedShardArgumentsMixin, FedShardTrainingArguments
-from hf_fedshard.integrations.callback import FedAvgCallback
+from hf_fedshard.integrations.callback import FedAvgCallback, add_before_progress
 from hf_fedshard.integrations.card import CARD_EXTRAS, TrainingClock, clock_hidden, extend_card
 from hf_fedshard.integrations.elastic import (
     NOT_READY,
@@ -163,7 +163,7 @@ class FedShardMixin(Trainer):
         if self.fed_communicator is not None:
             before_eval = self._evaluate_each_group if self.args.fed_eval_per_group else None
             self.fed_callback = FedAvgCallback(self.fed_communicator, self.args.fed_averaging_options, before_eval)
-            self.add_callback(self.fed_callback)
+            add_before_progress(self.callback_handler, self.fed_callback)
 
     @property
     def fed_layout(self) -> FederationLayout:

@@ -70,6 +70,8 @@ class FederationLayout:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ConfigError(f"WORLD_SIZE must be at least 1, got {self.world_size}.")
+        if self.world_size == 1:
+            _refuse_one_process(self.group_size, self.shard_size)
         group = self.world_size if self.group_size is None else self.group_size
         if not isinstance(group, int):
             group = _unequal_sizes(tuple(group), self.world_size, self.shard_size)
@@ -277,6 +279,25 @@ def parse_group_size(value: int | str | Sequence[int] | None) -> int | tuple[int
             "(groups of 4 ranks) or --fed_group_size 4,2,2 (one size per group)."
         ) from None
     return sizes[0] if len(sizes) == 1 else sizes
+
+
+def _refuse_one_process(group_size: int | tuple[int, ...] | None, shard_size: int | None) -> None:
+    """Sizes above one rank in a single process: the script was run with plain ``python``, not a launcher.
+
+    Shrinking the sizes to 1 would "fix" it into a run without a federation, so the error names the launchers
+    and a process count that fits the sizes: two groups of ``fed_group_size``, every listed group, or one shard.
+    """
+    sizes = (group_size,) if isinstance(group_size, int) else tuple(group_size or ())
+    if max(sum(sizes), shard_size or 1) <= 1 or (sizes and min(sizes) < 1):
+        return  # one rank asked for, or sizes the other checks refuse with their own message
+    processes = max(2 * sizes[0] if len(sizes) == 1 else sum(sizes), shard_size or 1)
+    setting = f"fed_group_size={','.join(map(str, sizes))}" if sizes else f"fed_shard_size={shard_size}"
+    script = sys.argv[0] if sys.argv[0].endswith(".py") else "SCRIPT.py"
+    raise ConfigError(
+        f"{setting} needs several processes, but this is one (WORLD_SIZE=1): launch it with `accelerate launch "
+        f"--num_processes {processes} {script} ...` or `torchrun --nproc_per_node {processes} {script} ...`, "
+        "not plain `python`."
+    )
 
 
 def _unequal_sizes(sizes: tuple[int, ...], world_size: int, shard_size: int | None) -> int | tuple[int, ...]:
