@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -616,6 +618,12 @@ class FedShardMixin(Trainer):
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # safetensors >= 0.8 writes through a temporary file created 0600 and renamed into place
+        # (safetensors/safetensors#782): give the weights the mode every other file of the export gets.
+        super()._save(output_dir, state_dict)
+        give_umask_mode(Path(output_dir or self.args.output_dir).glob("*.safetensors"))
+
 
 class FedShardTrainer(FedShardMixin, Trainer):
     """A drop-in `Trainer` that trains with FSDP2 inside federation groups and FedAvg across them.
@@ -633,3 +641,11 @@ class FedShardTrainer(FedShardMixin, Trainer):
 def _timeout_setting(args: FedShardArgumentsMixin) -> str:
     """How the limit on a cross-group collective is named in errors."""
     return f"fed_timeout_s={args.fed_timeout_s:g}" if args.fed_timeout_s else "ddp_timeout (fed_timeout_s unset)"
+
+
+def give_umask_mode(paths: Iterable[Path]) -> None:
+    """Set each file's mode to what the process umask gives a new file (0644 under umask 022)."""
+    umask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(umask)
+    for path in paths:
+        path.chmod(0o666 & ~umask)
