@@ -1,7 +1,8 @@
 """TRL's supervised fine-tuning under FL+FSDP / FL+HSDP: `FedShardSFTTrainer` and `FedShardSFTConfig`.
 
-Needs TRL (``pip install "hf_fedshard[trl]"``). The classes compose TRL's with hf_fedshard's mixins, in the order
-`FedShardMixin` documents: TRL's overrides run first and reach the federation through ``super()``::
+Needs TRL (``pip install -e ".[trl]"`` in a clone, or ``pip install trl``). The classes compose TRL's with
+hf_fedshard's mixins, in the order `FedShardMixin` documents: TRL's overrides run first and reach the federation
+through ``super()``::
 
     FedShardSFTTrainer -> SFTTrainer -> _BaseTrainer -> FedShardMixin -> Trainer
     FedShardSFTConfig  -> FedShardArgumentsMixin -> SFTConfig -> ... -> TrainingArguments
@@ -23,8 +24,8 @@ try:
     from trl import SFTConfig, SFTTrainer
 except ImportError as err:  # an optional extra: say how to get it
     raise ImportError(
-        'hf_fedshard.trl needs TRL, which is not installed. Install it with: pip install "hf_fedshard[trl]" '
-        "(or pip install trl)."
+        "hf_fedshard.trl needs TRL, which is not installed. Install it with: pip install trl (or, in "
+        """hf_fedshard's clone, pip install -e ".[trl]")."""
     ) from err
 
 from hf_fedshard.integrations.arguments import FedShardArgumentsMixin

@@ -95,7 +95,7 @@ class FedShardArgumentsMixin:
     Transport (docs/fault_tolerance.md, "Groups that die and join"):
         fed_transport (`str`, defaults to `"mesh"`): `"mesh"`: every group in one job (one launch, one
             `torch.distributed` world); a failed rank stops the job. `"torchft"`: every group is its own launch
-            and averages through torchft with the groups alive (needs `pip install 'hf_fedshard[elastic]'`).
+            and averages through torchft with the groups alive (needs `pip install -e '.[elastic]'` in a clone).
         fed_lighthouse (`str`, *optional*): torchft: the Lighthouse's address, `http://HOST:PORT`
             (`python -m hf_fedshard.lighthouse`).
         fed_group_id (`int`, *optional*): torchft: this launch's group, in `0 … fed_num_groups - 1`.

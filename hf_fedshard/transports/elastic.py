@@ -53,7 +53,8 @@ def _import_torchft() -> Any:
         import torchft
     except ImportError as err:
         raise ConfigError(
-            "fed_transport torchft needs torchft: pip install 'hf_fedshard[elastic]' (torchft-nightly)."
+            "fed_transport torchft needs torchft: in hf_fedshard's clone, pip install -e '.[elastic]' "
+            "(torchft-nightly)."
         ) from err
     for name in ("torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(name).setLevel(logging.WARNING)  # one INFO line per averaging otherwise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -228,3 +229,17 @@ def test_help_documents_every_fed_setting():
         assert name in out
     assert "H: optimizer steps between two averagings" in out
     assert "Resume from the newest checkpoint in output_dir that verifies" in " ".join(out.split())
+
+
+def test_readme_counts_and_lists_every_fed_setting():
+    """The README's "N `fed_*` settings" and its settings table name exactly the mixin's fields."""
+    from dataclasses import fields
+
+    from hf_fedshard import FedShardArgumentsMixin
+
+    names = [f.name for f in fields(FedShardArgumentsMixin) if f.name.startswith("fed_")]
+    readme = (REPO / "README.md").read_text()
+    count = re.search(r"\((\d+) `fed_\*` settings\)", readme)
+    assert count is not None and int(count.group(1)) == len(names)
+    table = readme.split("## The settings", 1)[1].split("\n\n", 2)[1]
+    assert sorted(re.findall(r"^\| `(fed_\w+)` \|", table, re.M)) == sorted(names)
