@@ -622,7 +622,8 @@ class FedShardMixin(Trainer):
         # safetensors >= 0.8 writes through a temporary file created 0600 and renamed into place
         # (safetensors/safetensors#782): give the weights the mode every other file of the export gets.
         super()._save(output_dir, state_dict)
-        give_umask_mode(Path(output_dir or self.args.output_dir).glob("*.safetensors"))
+        if self.args.should_save:  # the ranks that wrote
+            give_umask_mode(Path(output_dir or self.args.output_dir).glob("*.safetensors"))
 
 
 class FedShardTrainer(FedShardMixin, Trainer):
