@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 
-RANK_0_GRACE_S = 10.0  # how long another rank leaves rank 0 to report an error both raised before any collective
+RANK_0_GRACE_S = 30.0  # how long another rank leaves rank 0 to report the error they both raised before any collective
 
 
 class ConfigError(ValueError):
