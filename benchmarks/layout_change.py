@@ -40,7 +40,7 @@ from pathlib import Path
 from benchmarks.harness import REPO, TRAIN_SCRIPT
 from benchmarks.harness.methods import BenchConfig, prepare_data
 from benchmarks.harness.report import run_record_lines, save_figure
-from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite
+from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite, validated
 
 SOURCE = "4x2"
 FULL_LAYOUTS = ("4x2", "2x2", "3x2", "2x4", "2x4s2")
@@ -362,21 +362,21 @@ def make_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> LayoutChangeConfig:
     steps = args.steps or (32 if args.quick else 96)
-    cfg = LayoutChangeConfig(
-        source=args.source,
-        layouts=tuple(args.layouts or (QUICK_LAYOUTS if args.quick else FULL_LAYOUTS)),
-        model_size=args.model_size or ("micro" if args.quick else "tiny"),
-        steps=steps,
-        save_step=args.save_step or steps // 2,
-        sync_steps=args.sync_steps,
-        learning_rate=args.learning_rate,
-        eval_samples=args.eval_samples,
-        max_train_lines=args.max_train_lines,
-        seed=args.seed,
-        timeout_s=args.timeout_s,
+    return validated(
+        LayoutChangeConfig(
+            source=args.source,
+            layouts=tuple(args.layouts or (QUICK_LAYOUTS if args.quick else FULL_LAYOUTS)),
+            model_size=args.model_size or ("micro" if args.quick else "tiny"),
+            steps=steps,
+            save_step=args.save_step or steps // 2,
+            sync_steps=args.sync_steps,
+            learning_rate=args.learning_rate,
+            eval_samples=args.eval_samples,
+            max_train_lines=args.max_train_lines,
+            seed=args.seed,
+            timeout_s=args.timeout_s,
+        )
     )
-    cfg.validate()
-    return cfg
 
 
 def run_study(cfg: LayoutChangeConfig, data: Path, work: Path) -> dict:

@@ -29,7 +29,7 @@ import statistics
 from dataclasses import asdict
 
 from benchmarks.harness.methods import BenchConfig, benchmark
-from benchmarks.harness.report import judge, median_range, overlap_targets, run_record_lines, spread
+from benchmarks.harness.report import judge, median_range, overlap_targets, run_record_lines, spread, table_head
 from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite
 
 METHODS = ("FL+FSDP", "FL+FSDP overlap", "FL+FSDP stream", "FL+FSDP stream int8", "ideal", "LocalSGD")
@@ -54,20 +54,17 @@ def combine(runs: list[dict], methods: tuple[str, ...]) -> dict:
     return {"methods": out, "targets": judge([blocking_row, *overlap_targets(medians)])}
 
 
+CAPTION = """{nodes} nodes × {ranks_per_node} ranks, links {rate_mbit:g} Mbit/s, Llama `{model_size}`, {steps} steps,
+H = {sync_steps}; median (min–max) over {repeats} interleaved repetitions. Exchange wait: seconds rank 0 waited for
+overlapped exchanges ÷ (bytes node 0's uplink sent ÷ link rate); callback time: the loop's whole time in the averaging
+callback, over the same; blocking ratio: an averaging's time ÷ its bytes ÷ rate, as in benchmarks/tiers.py. Predicted
+s/step: the cost model with the ideal's step as compute."""
+
+
 def markdown(results: dict) -> str:
-    cfg = results["config"]
-    lines = [
-        f"{cfg['nodes']} nodes × {cfg['ranks_per_node']} ranks, links {cfg['rate_mbit']:g} Mbit/s, Llama "
-        f"`{cfg['model_size']}`, {cfg['steps']} steps, H = {cfg['sync_steps']}; median (min–max) over "
-        f"{results['repeats']} interleaved repetitions. Exchange wait: seconds rank 0 waited for overlapped "
-        "exchanges ÷ (bytes node 0's uplink sent ÷ link rate); callback time: the loop's whole time in the averaging "
-        "callback, over the same; blocking ratio: an averaging's time ÷ its bytes ÷ rate, as in "
-        "benchmarks/tiers.py. Predicted s/step: the cost model with the ideal's step as compute.",
-        "",
-        "| method | tokens/s | of ideal | predicted s/step | exchange wait ÷ (bytes ÷ rate) | callback time ÷ "
-        "(bytes ÷ rate) | blocking averaging ratio | eval ppl, equal tokens |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    columns = ["method", "tokens/s", "of ideal", "predicted s/step", "exchange wait ÷ (bytes ÷ rate)",
+               "callback time ÷ (bytes ÷ rate)", "blocking averaging ratio", "eval ppl, equal tokens"]  # fmt: skip
+    lines = table_head(CAPTION.format(**results["config"], repeats=results["repeats"]), columns, "l" + "r" * 7)
     for name, f in results["summary"]["methods"].items():
         cells = [
             median_range(f.get("tokens_per_s"), ",.0f"),

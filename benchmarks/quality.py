@@ -35,7 +35,7 @@ from pathlib import Path
 from benchmarks.harness import REPO, TRAIN_SCRIPT
 from benchmarks.harness.methods import BenchConfig, prepare_data
 from benchmarks.harness.report import new_axes, run_record_lines, save_figure
-from benchmarks.harness.study import Study, add_folder_options, new_parser
+from benchmarks.harness.study import Study, add_folder_options, new_parser, validated
 
 VARIANTS = ("FSDP", "FSDP √-lr", "FL+FSDP")
 
@@ -150,14 +150,16 @@ def summarize(runs: list[dict], cfg: QualityConfig) -> dict:
     return {"config": asdict(cfg), "runs": runs, "rows": rows}
 
 
+CAPTION = """Llama `{model_size}`, {tokens:,} training tokens per run, per-device batch {batch_size} × {block_size}
+tokens, constant lr {learning_rate:g} (AdamW), FL+FSDP groups of {group_size} ranks averaging every {sync_steps} steps;
+FSDP's world batch on {fsdp_ranks} ranks with gradient accumulation; eval perplexity on held-out plays after the last
+step: median (min–max) over seeds {seeds}."""
+
+
 def markdown(results: dict) -> str:
     cfg = results["config"]
     lines = [
-        f"Llama `{cfg['model_size']}`, {cfg['tokens']:,} training tokens per run, per-device batch "
-        f"{cfg['batch_size']} × {cfg['block_size']} tokens, constant lr {cfg['learning_rate']:g} (AdamW), FL+FSDP "
-        f"groups of {cfg['group_size']} ranks averaging every {cfg['sync_steps']} steps; FSDP's world batch on "
-        f"{cfg['fsdp_ranks']} ranks with gradient accumulation; eval perplexity on held-out plays after the last "
-        f"step: median (min–max) over seeds {', '.join(map(str, cfg['seeds']))}.",
+        CAPTION.format_map({**cfg, "seeds": ", ".join(map(str, cfg["seeds"]))}),
         "",
         "| method | W | batch per update (samples) | steps | lr | eval ppl median (min–max) |",
         "|---|---:|---:|---:|---:|---:|",
@@ -201,17 +203,17 @@ def make_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> QualityConfig:
     quick = args.quick
-    cfg = QualityConfig(
-        worlds=tuple(args.worlds or ((4, 8) if quick else (4, 8, 16))),
-        variants=tuple(args.variants or (("FSDP", "FL+FSDP") if quick else VARIANTS)),
-        seeds=tuple(args.seeds),
-        model_size=args.model_size or ("micro" if quick else "tiny"),
-        tokens=args.tokens or (8 * 4 * 128 * 8 if quick else 16 * 4 * 128 * 24),
-        learning_rate=args.learning_rate,
-        timeout_s=args.timeout_s,
+    return validated(
+        QualityConfig(
+            worlds=tuple(args.worlds or ((4, 8) if quick else (4, 8, 16))),
+            variants=tuple(args.variants or (("FSDP", "FL+FSDP") if quick else VARIANTS)),
+            seeds=tuple(args.seeds),
+            model_size=args.model_size or ("micro" if quick else "tiny"),
+            tokens=args.tokens or (8 * 4 * 128 * 8 if quick else 16 * 4 * 128 * 24),
+            learning_rate=args.learning_rate,
+            timeout_s=args.timeout_s,
+        )
     )
-    cfg.validate()
-    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

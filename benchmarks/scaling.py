@@ -28,7 +28,15 @@ from pathlib import Path
 
 from benchmarks.harness.cost_model import model_state_bytes_per_rank
 from benchmarks.harness.methods import BenchConfig, benchmark
-from benchmarks.harness.report import layout_of, median_range, new_axes, run_record_lines, save_figure, spread
+from benchmarks.harness.report import (
+    layout_of,
+    median_range,
+    new_axes,
+    run_record_lines,
+    save_figure,
+    spread,
+    table_head,
+)
 from benchmarks.harness.study import Study, add_folder_options, new_parser
 
 METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal")
@@ -72,21 +80,17 @@ def run_scales(base: BenchConfig, scales: tuple[int, ...], repeats: int, work: P
     return {"config": asdict(base), "scales": list(scales), "repeats": repeats, "points": points, "runs": raw}
 
 
+CAPTION = """Two tiers, {ranks_per_node} ranks per node, links {rate_mbit:g} Mbit/s, Llama `{model_size}`, {steps} steps
+of (world × {batch_size} × {block_size}) tokens, H = {sync_steps}; speedup and share of ideal: median (min–max) over
+{repeats} repetition(s) of each run's median window; tokens/s: median (min–max) over every window. Predicted: the cost
+model's step time with the ideal's measured step as compute. Memory: peak resident memory less that before the model
+was built, largest rank; model state: the cost model's fp32 parameters, gradients and AdamW state per rank."""
+
+
 def markdown(results: dict) -> str:
-    cfg = results["config"]
-    lines = [
-        f"Two tiers, {cfg['ranks_per_node']} ranks per node, links {cfg['rate_mbit']:g} Mbit/s, Llama "
-        f"`{cfg['model_size']}`, {cfg['steps']} steps of (world × {cfg['batch_size']} × {cfg['block_size']}) tokens, "
-        f"H = {cfg['sync_steps']}; speedup and share of ideal: median (min–max) over {results['repeats']} "
-        "repetition(s) of each run's median window; tokens/s: median (min–max) over every window. Predicted: the "
-        "cost model's step time with the ideal's measured step as compute. Memory: peak "
-        "resident memory less that before the model was built, largest rank; model state: the cost model's fp32 "
-        "parameters, gradients and AdamW state per rank.",
-        "",
-        "| nodes | method | speedup vs FSDP | predicted | share of ideal | tokens/s | memory MB/rank "
-        "| model state MB |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    columns = ["nodes", "method", "speedup vs FSDP", "predicted", "share of ideal", "tokens/s", "memory MB/rank",
+               "model state MB"]  # fmt: skip
+    lines = table_head(CAPTION.format(**results["config"], repeats=results["repeats"]), columns, "rl" + "r" * 6)
     for nodes, methods in results["points"].items():
         for name, p in methods.items():
             lines.append(

@@ -58,7 +58,7 @@ from benchmarks.harness.methods import (
     train_on_localhost,
 )
 from benchmarks.harness.report import median_range, new_axes, run_record_lines, save_figure, spread, variant_settings
-from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite
+from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite, validated
 
 REFERENCE = "FL+FSDP"  # blocking fp32 FedAvg, the paper's
 FRAGMENTS = int(variant_settings("FL+FSDP stream")["fed_sync_fragments"])  # the overlap study's F
@@ -378,19 +378,19 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> StreamQualityConfig:
-    cfg = StreamQualityConfig(
-        variants=tuple(args.variants or (QUICK_VARIANTS if args.quick else VARIANTS)),
-        seeds=tuple(args.seeds),
-        groups=args.groups,
-        ranks_per_group=args.ranks_per_group,
-        model_size=args.model_size or ("micro" if args.quick else "tiny"),
-        steps=args.steps or (32 if args.quick else 200),
-        sync_steps=args.sync_steps,
-        eval_steps=args.eval_steps,
-        timeout_s=args.timeout_s,
+    return validated(
+        StreamQualityConfig(
+            variants=tuple(args.variants or (QUICK_VARIANTS if args.quick else VARIANTS)),
+            seeds=tuple(args.seeds),
+            groups=args.groups,
+            ranks_per_group=args.ranks_per_group,
+            model_size=args.model_size or ("micro" if args.quick else "tiny"),
+            steps=args.steps or (32 if args.quick else 200),
+            sync_steps=args.sync_steps,
+            eval_steps=args.eval_steps,
+            timeout_s=args.timeout_s,
+        )
     )
-    cfg.validate()
-    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

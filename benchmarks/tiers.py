@@ -21,7 +21,7 @@ import argparse
 
 from benchmarks.harness import REPO, report
 from benchmarks.harness.methods import FULL_METHODS, BenchConfig, benchmark, wait_until_quiet
-from benchmarks.harness.study import Study, add_folder_options, new_parser
+from benchmarks.harness.study import Study, add_folder_options, new_parser, validated
 
 QUICK_METHODS = ("FSDP", "HSDP", "FL+FSDP", "ideal")
 THREE_TIER_METHODS = ("FSDP", "HSDP", "FL+FSDP", "FL+HSDP", "ideal")
@@ -68,25 +68,25 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if not three and (args.racks or args.rack_rate_mbit):
         raise ValueError("--racks and --rack-rate-mbit need --topology three-tier.")
     default_methods = THREE_TIER_METHODS if three else (QUICK_METHODS if quick else FULL_METHODS)
-    cfg = BenchConfig(
-        nodes=args.nodes or (THREE_TIER["nodes"] if three else 2 if quick else 4),
-        ranks_per_node=args.ranks_per_node,
-        rate_mbit=args.rate_mbit or (THREE_TIER["rate_mbit"] if three else 100.0),
-        racks=(args.racks or THREE_TIER["racks"]) if three else 1,
-        rack_rate_mbit=(args.rack_rate_mbit or THREE_TIER["rack_rate_mbit"]) if three else None,
-        methods=tuple(args.methods or default_methods),
-        model_size=args.model_size,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        steps=args.steps or (24 if quick else 48),
-        sync_steps=args.sync_steps,
-        warmup_steps=args.sync_steps,
-        eval_steps=args.eval_steps or (8 if quick else 16),
-        max_train_lines=args.max_train_lines,
-        timeout_s=args.timeout_s,
+    return validated(
+        BenchConfig(
+            nodes=args.nodes or (THREE_TIER["nodes"] if three else 2 if quick else 4),
+            ranks_per_node=args.ranks_per_node,
+            rate_mbit=args.rate_mbit or (THREE_TIER["rate_mbit"] if three else 100.0),
+            racks=(args.racks or THREE_TIER["racks"]) if three else 1,
+            rack_rate_mbit=(args.rack_rate_mbit or THREE_TIER["rack_rate_mbit"]) if three else None,
+            methods=tuple(args.methods or default_methods),
+            model_size=args.model_size,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            steps=args.steps or (24 if quick else 48),
+            sync_steps=args.sync_steps,
+            warmup_steps=args.sync_steps,
+            eval_steps=args.eval_steps or (8 if quick else 16),
+            max_train_lines=args.max_train_lines,
+            timeout_s=args.timeout_s,
+        )
     )
-    cfg.validate()
-    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,10 @@ The package's folders are its layers:
 
 - ``engine/``: `FederatedAverager`, the averaging itself (schedule, fragments, outer optimizer, exchange, codec,
   divergence); it imports torch only, so a plain training loop can use it.
-- ``transports/``: how the groups reach each other (``mesh``: one job, one world mesh).
+- ``topology.py``: how the world splits into federation groups (`FederationLayout`) and its device mesh.
+- ``transports/``: how the groups reach each other, one module each, registered by ``fed_transport``
+  (`hf_fedshard.transports.TRANSPORTS`): ``mesh`` (one job), ``torchft`` (a launch per group), ``simulated``.
+- ``averaging.py``: the public `FederatedAverager`, the engine's over the one-job transport when given a mesh.
 - ``integrations/``: the Trainer and TRL side (`FedShardTrainer`, the callback, arguments, model card).
 - ``checkpointing/``: federated checkpoints, their manifest and the resume that verifies them.
 - ``tools/``: the cost model, offline data and model presets; no training path imports them.
@@ -20,14 +23,14 @@ from typing import Any
 
 _PUBLIC = {
     "FedAvgCallback": "hf_fedshard.integrations.callback",
-    "FederatedAverager": "hf_fedshard.engine.averager",
+    "FederatedAverager": "hf_fedshard.averaging",
     "FedShardArgumentsMixin": "hf_fedshard.integrations.arguments",
     "FedShardMixin": "hf_fedshard.integrations.trainer",
     "FedShardTrainer": "hf_fedshard.integrations.trainer",
     "FedShardTrainingArguments": "hf_fedshard.integrations.arguments",
     "FederatedParallelismConfig": "hf_fedshard.integrations.fsdp",
-    "FederationLayout": "hf_fedshard.transports.mesh",
-    "MeshAxis": "hf_fedshard.transports.mesh",
+    "FederationLayout": "hf_fedshard.topology",
+    "MeshAxis": "hf_fedshard.topology",
 }
 __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"

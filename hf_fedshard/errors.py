@@ -43,7 +43,9 @@ def _leave_to_rank_0() -> None:
     """Wait for the launcher to stop this rank once rank 0 has failed, and then exit 0 without a word.
 
     torchrun (and `accelerate launch`, which runs it) lists in its failure report every rank that ended on an
-    error or a signal: a quiet exit 0 on its SIGTERM leaves rank 0's error the only one there. Should rank 0 not
+    error or a signal: a quiet exit 0 on its SIGTERM leaves rank 0's error the only one there. Exiting 2 at once
+    instead races rank 0: the first rank to fail makes torchrun SIGTERM the rest, rank 0 included, possibly before
+    it has printed the line (seen here: rank 2 failed first and rank 0 ended on the signal). Should rank 0 not
     fail (an error of this rank alone, e.g. a file missing on its node), this rank says its error itself after
     `RANK_0_GRACE_S`.
     """

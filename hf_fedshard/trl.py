@@ -1,8 +1,7 @@
 """TRL's supervised fine-tuning under FL+FSDP / FL+HSDP: `FedShardSFTTrainer` and `FedShardSFTConfig`.
 
-Needs TRL (``pip install -e ".[trl]"`` in a clone, or ``pip install trl``). The classes compose TRL's with
-hf_fedshard's mixins, in the order `FedShardMixin` documents: TRL's overrides run first and reach the federation
-through ``super()``::
+Needs TRL (``pip install -e ".[trl]"`` in the clone). The classes compose TRL's with hf_fedshard's mixins, in the order
+`FedShardMixin` documents: TRL's overrides run first and reach the federation through ``super()``::
 
     FedShardSFTTrainer -> SFTTrainer -> _BaseTrainer -> FedShardMixin -> Trainer
     FedShardSFTConfig  -> FedShardArgumentsMixin -> SFTConfig -> ... -> TrainingArguments
@@ -24,8 +23,8 @@ try:
     from trl import SFTConfig, SFTTrainer
 except ImportError as err:  # an optional extra: say how to get it
     raise ImportError(
-        "hf_fedshard.trl needs TRL, which is not installed. Install it with: pip install trl (or, in "
-        """hf_fedshard's clone, pip install -e ".[trl]")."""
+        'hf_fedshard.trl needs TRL, which is not installed. Install it with: pip install -e ".[trl]" (in the clone) '
+        "(or pip install trl)."
     ) from err
 
 from hf_fedshard.integrations.arguments import FedShardArgumentsMixin
@@ -66,7 +65,7 @@ class FedShardSFTTrainer(SFTTrainer, FedShardMixin):
         # Combine the groups' metrics once per log (SFTTrainer.log averages them next). An evaluation gathers over
         # the world already, except its num_tokens: the group's count of train tokens, like training's. With torchft
         # the groups meet only in averagings: each group logs its own.
-        if self.fed_callback is not None and not self.args.fed_elastic:
+        if self.fed_callback is not None and not self.args.fed_launch_per_group:
             metrics = self._metrics["train" if self.model.training else "eval"]
             keys = sorted(metrics) if self.model.training else [k for k in _SUMMED_METRICS if k in metrics]
             self._combine_group_metrics(metrics, keys)

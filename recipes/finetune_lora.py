@@ -27,7 +27,7 @@ from transformers import AutoTokenizer, HfArgumentParser, default_data_collator,
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
 from hf_fedshard.errors import exit_on_config_error
 from hf_fedshard.tools.data import EMBEDDED, load_text, pack, train_bpe_tokenizer
-from hf_fedshard.tools.models import PRESETS, build_model
+from hf_fedshard.tools.models import PRESETS, SMOLLM2, build_model, resolve_model
 
 
 @dataclass
@@ -35,7 +35,8 @@ class ModelArguments:
     model_name_or_path: str | None = field(
         default="outputs/tiny-fl-fsdp",
         metadata={
-            "help": "Model to adapt (local folder or Hub id). If the default folder is absent, a preset is built."
+            "help": f"Model to adapt (local folder, Hub id, or {SMOLLM2} offline). If the default folder is absent, "
+            "a preset is built."
         },
     )
     model_size: str = field(
@@ -87,6 +88,7 @@ def _model_and_tokenizer(model_args: ModelArguments, data_args: DataArguments, r
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     model_args, lora_args, data_args, args = make_parser().parse_args_into_dataclasses(argv)
+    model_args.model_name_or_path = resolve_model(model_args.model_name_or_path)
     set_seed(args.seed)
     raw = load_text(
         data_args.dataset_name, data_args.dataset_config_name, data_args.train_file, data_args.validation_file
@@ -125,7 +127,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer.create_model_card(
         dataset=data_args.train_file or data_args.dataset_name,
         tokens_per_sample=data_args.block_size,
-        finetuned_from=model_args.model_name_or_path,
         tags=["lora", "peft"],
         command=shlex.join(["recipes/finetune_lora.py", *(sys.argv[1:] if argv is None else argv)]),
     )

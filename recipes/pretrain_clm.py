@@ -39,7 +39,7 @@ from transformers import AutoTokenizer, HfArgumentParser, PreTrainedTokenizerBas
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
 from hf_fedshard.errors import exit_on_config_error
 from hf_fedshard.tools.data import EMBEDDED, load_text, pack, prepare_once, train_bpe_tokenizer
-from hf_fedshard.tools.models import PRESETS, build_model
+from hf_fedshard.tools.models import PRESETS, SMOLLM2, build_model, resolve_model
 
 
 @dataclass
@@ -49,7 +49,8 @@ class ModelArguments:
         metadata={"help": "Llama size preset for a model trained from scratch.", "choices": list(PRESETS)},
     )
     model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Start from this checkpoint (local folder or Hub id) instead of a preset."}
+        default=None,
+        metadata={"help": f"Start from this model (local folder, Hub id, or {SMOLLM2} offline) instead of a preset."},
     )
 
 
@@ -125,6 +126,7 @@ def data_key(data_args: DataArguments, model_args: ModelArguments) -> dict:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     model_args, data_args, args = make_parser().parse_args_into_dataclasses(argv)
+    model_args.model_name_or_path = resolve_model(model_args.model_name_or_path)
     set_seed(args.seed)
     blocks, tokenizer = prepare_once(args, data_key(data_args, model_args), lambda: prepare(data_args, model_args))
     train, evaluation = blocks["train"], blocks["validation"]

@@ -20,12 +20,13 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
-from transformers import default_data_collator, set_seed
+from transformers import AutoTokenizer, default_data_collator, set_seed
 
 from hf_fedshard import FederatedAverager, FederationLayout
 from hf_fedshard.errors import exit_on_config_error
+from hf_fedshard.integrations.file_modes import follow_umask
 from hf_fedshard.tools.data import load_text, pack, train_bpe_tokenizer
-from hf_fedshard.tools.models import PRESETS, build_model
+from hf_fedshard.tools.models import PRESETS, SMOLLM2, build_model, resolve_model
 from hf_fedshard.transports.mesh import fsdp_mesh
 
 
@@ -38,6 +39,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sync_dtype", default="float32", choices=["float32", "bfloat16", "int8"])
     parser.add_argument("--sync_overlap", type=int, default=0, help="τ: steps an exchange runs behind training.")
     parser.add_argument("--model_size", default="tiny", choices=list(PRESETS))
+    parser.add_argument(
+        "--model_name_or_path", default=None, help=f"Start from this model (folder, Hub id, or {SMOLLM2} offline)."
+    )
     parser.add_argument("--block_size", type=int, default=128)
     parser.add_argument("--batch_size", type=int, default=8, help="Samples per rank and step.")
     parser.add_argument("--learning_rate", type=float, default=2e-3)
@@ -73,12 +77,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     config = DataLoaderConfiguration(use_seedable_sampler=True)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), dataloader_config=config)
     layout = FederationLayout(accelerator.num_processes, opts.group_size, opts.shard_size)  # checks the sizes
+    path = resolve_model(opts.model_name_or_path)
     with accelerator.local_main_process_first():
         raw = load_text("shakespeare")
-        tokenizer = train_bpe_tokenizer(raw["train"], vocab_size=8192)
+        tokenizer = AutoTokenizer.from_pretrained(path) if path else train_bpe_tokenizer(raw["train"], vocab_size=8192)
         blocks = pack(raw, tokenizer, opts.block_size)
     set_seed(opts.seed)
-    model = build_model(opts.model_size, len(tokenizer), opts.block_size).to(accelerator.device)
+    model = build_model(opts.model_size, len(tokenizer), opts.block_size, path).to(accelerator.device)
     mesh = layout.build_mesh(accelerator.device.type)
     shard(model, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.learning_rate)
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if accelerator.is_main_process:
             model.save_pretrained(opts.output_dir, state_dict=state)
             tokenizer.save_pretrained(opts.output_dir)
+            follow_umask(opts.output_dir)  # safetensors writes the weights 0600, the rest gets the umask's mode
     return {"eval_loss": eval_loss, "eval_perplexity": math.exp(eval_loss), **averager.metrics()}
 
 

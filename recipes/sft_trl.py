@@ -36,7 +36,7 @@ from transformers import AutoTokenizer, HfArgumentParser, PreTrainedTokenizerBas
 
 from hf_fedshard.errors import exit_on_config_error
 from hf_fedshard.tools.data import EMBEDDED, load_text, prepare_once, train_bpe_tokenizer
-from hf_fedshard.tools.models import PRESETS, build_model
+from hf_fedshard.tools.models import PRESETS, SMOLLM2, build_model, resolve_model
 from hf_fedshard.trl import FedShardSFTConfig, FedShardSFTTrainer
 
 QUICKSTART_MODEL = "outputs/tiny-fl-fsdp"
@@ -46,8 +46,8 @@ QUICKSTART_MODEL = "outputs/tiny-fl-fsdp"
 class ScriptArguments:
     model_name_or_path: str = field(
         default=QUICKSTART_MODEL,
-        metadata={"help": "Model to fine-tune (local folder or Hub id). If the default folder is absent, a fresh "
-                  "--model_size preset is built with a BPE trained on the data."},
+        metadata={"help": f"Model to fine-tune (local folder, Hub id, or {SMOLLM2} offline). If the default folder "
+                  "is absent, a fresh --model_size preset is built with a BPE trained on the data."},
     )  # fmt: skip
     model_size: str = field(
         default="tiny", metadata={"help": "Preset built when there is no model to load.", "choices": list(PRESETS)}
@@ -95,6 +95,7 @@ def prepare(script: ScriptArguments, model_path: str | None) -> tuple[DatasetDic
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     script, args = make_parser().parse_args_into_dataclasses(argv)
+    script.model_name_or_path = resolve_model(script.model_name_or_path)
     set_seed(args.seed)
     local = script.model_name_or_path if Path(script.model_name_or_path).is_dir() else None
     if local is None and script.model_name_or_path != QUICKSTART_MODEL:
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer.create_model_card(
         model_name=Path(args.output_dir).name,
         dataset_name=script.dataset_name,
+        hub_dataset=script.dataset_name not in EMBEDDED,
         tokens_per_sample=args.max_length,
         command=shlex.join(["recipes/sft_trl.py", *(sys.argv[1:] if argv is None else argv)]),
     )

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 import hf_fedshard.engine.communicator
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
 
 # Each wrapped function and the name of its argument holding this rank's contribution.
 _COLLECTIVES = {

@@ -8,7 +8,7 @@ planner's (`hf_fedshard.tools.cost`).
 from __future__ import annotations
 
 from hf_fedshard.engine.codec import INT8_BLOCK
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
 
 GLOO = 2.0  # torch's gloo reduce_scatter_tensor all-reduces the input: measured by benchmarks/gloo_collectives.py
 OPTIMIZER_STATE_BYTES = 16  # fp32 parameter, gradient, and AdamW's two moments, per parameter

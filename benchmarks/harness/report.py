@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.harness.cost_model import GLOO, sync_bytes_per_value
 from hf_fedshard.tools.cost import ModelCost, Network, method_layouts, step_cost
-from hf_fedshard.transports.mesh import FederationLayout, parse_group_size
+from hf_fedshard.topology import FederationLayout, parse_group_size
 
 AVERAGING = ("FL+FSDP", "FL+HSDP", "LocalSGD")
 BYTES_TOLERANCE = 0.15
@@ -505,3 +505,10 @@ def write_study(out: Path, results: dict, markdown: Callable[[dict], str]) -> st
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "results.md").write_text(table + "\n")
     return table
+
+
+def table_head(caption: str, columns: list[str], aligns: str) -> list[str]:
+    """A results.md table's opening lines: its caption, then the header of ``columns``, ``aligns`` one letter a
+    column (``l`` left, ``r`` right)."""
+    rule = "|".join("---" if a == "l" else "---:" for a in aligns)
+    return [caption, "", f"| {' | '.join(columns)} |", f"|{rule}|"]

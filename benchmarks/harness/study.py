@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 from benchmarks.harness import results_folder
 from benchmarks.harness.exclusive import exclusive_cores
@@ -29,6 +30,13 @@ from benchmarks.harness.report import run_record, write_study
 
 Markdown = Callable[[dict], str]
 Plot = Callable[[dict, Path], object]
+
+
+class Validating(Protocol):
+    def validate(self) -> None: ...
+
+
+T = TypeVar("T", bound=Validating)
 
 
 def new_parser(doc: str) -> argparse.ArgumentParser:
@@ -101,3 +109,9 @@ def publish(out: Path, results: dict, markdown: Markdown, plot: Plot | None = No
         plot(results, out)
     print(table)
     return 0
+
+
+def validated(config: T) -> T:
+    """``config`` once its ``validate()`` passed: a study refuses settings that do not fit before it runs anything."""
+    config.validate()
+    return config

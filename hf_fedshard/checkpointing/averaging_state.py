@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from hf_fedshard.checkpointing.checkpoint import OUTER_DIR, group_dir, reading
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
 
 ANCHOR, MOMENTUM = "anchor", "momentum"
 

@@ -51,7 +51,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_fedshard.checkpointing.manifest import write_manifest
 from hf_fedshard.errors import ConfigError
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
 
 FED_LAYOUT_NAME = "fed_layout.json"
 FORMAT_VERSION = 1

@@ -41,7 +41,7 @@ from hf_fedshard.checkpointing.checkpoint import (
     recorded_layout,
 )
 from hf_fedshard.engine.payload import model_state_tensors, optimizer_state_tensors
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
 
 
 @dataclass(frozen=True)

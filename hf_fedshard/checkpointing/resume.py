@@ -38,7 +38,7 @@ from hf_fedshard.checkpointing.manifest import MANIFEST_NAME, checksum_problem, 
 from hf_fedshard.checkpointing.reshard import changes_layout
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.arguments import FedShardTrainingArguments
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def resumable_checkpoint(
         return None
     explicit = isinstance(requested, str)
     candidates = [requested] if explicit else complete_checkpoints(args.output_dir)
-    common = steps_every_group_has(args.output_dir) if args.fed_elastic and not explicit else None
+    common = steps_every_group_has(args.output_dir) if args.fed_launch_per_group and not explicit else None
     if common is not None:  # torchft: a restart of every group resumes from the newest step they all have
         candidates = [c for c in candidates if int(c.rsplit("-", 1)[-1]) in common]
     if not candidates:

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from hf_fedshard.engine.communicator import FederationCommunicator, Membership, Round
+from hf_fedshard.engine.communicator import FederationCommunicator, Round
 from hf_fedshard.engine.control import Norms, agree
 from hf_fedshard.engine.counters import Counters
 from hf_fedshard.engine.exchange import Exchange
@@ -56,6 +56,7 @@ from hf_fedshard.engine.payload import (
 )
 from hf_fedshard.engine.pieces import PieceExchange
 from hf_fedshard.engine.resumable import check_state, continue_history
+from hf_fedshard.engine.rounds import run_round
 from hf_fedshard.engine.settings_history import History, history_from_state, history_to_state
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.notices import notice
@@ -89,8 +90,10 @@ class FederatedAverager:
     Args:
         model: the model, sharded inside this rank's federation group.
         optimizer: the inner optimizer over the model's parameters.
-        mesh: the world mesh of `FederationLayout.build_mesh` (the one-job transport); or pass ``communicator``.
-        communicator: the cross-group collectives of another transport (`hf_fedshard.engine.communicator`).
+        mesh: the world mesh of `FederationLayout.build_mesh`, to check the model is sharded inside its group.
+        communicator: the cross-group collectives a transport gives (`hf_fedshard.engine.communicator`), or a
+            function that builds them from the checked options (how `hf_fedshard.FederatedAverager` turns a mesh
+            into the one-job transport's).
         sync_steps … timeout_s: the ``fed_*`` settings without the prefix (`FedShardArgumentsMixin` documents each).
         before_eval: called on every rank before the global model is lent for an evaluation that sees the groups
             differ, while each group still holds its own model (the Trainer's per-group evaluation).
@@ -104,7 +107,7 @@ class FederatedAverager:
         optimizer: torch.optim.Optimizer | None,
         mesh: DeviceMesh | None = None,
         *,
-        communicator: FederationCommunicator | None = None,
+        communicator: FederationCommunicator | Callable[[AveragingOptions], FederationCommunicator] | None = None,
         sync_steps: int = 8,
         average_optimizer_state: bool = False,
         outer_optimizer: str = "fedavg",
@@ -128,7 +131,11 @@ class FederatedAverager:
         self.options, self.schedule, self.settings = options, options.schedule, options.settings
         trainable = _check_model_and_optimizer(model, optimizer, mesh)
         ranges = fragment_ranges(model, trainable, self.schedule.fragments)  # refuses F > units: no collective yet
-        self.comm = communicator or _mesh_communicator(mesh, options)
+        if communicator is None:
+            raise ConfigError(
+                "FederatedAverager needs the world mesh (FederationLayout.build_mesh) or a communicator=."
+            )
+        self.comm = communicator(options) if callable(communicator) else communicator
         if self.comm.membership is not None and self.schedule.streaming:
             raise ConfigError(
                 "fed_sync_fragments/fed_sync_overlap stream the averaging between rounds, which fed_transport torchft "
@@ -157,6 +164,10 @@ class FederatedAverager:
             Fragment(i, a, b, OuterOptimizer(params[a:b], lr, momentum, device)) for i, (a, b) in enumerate(ranges)
         ]
         self._describe(trainable, device)
+        if self.comm.membership is not None:  # a joining group heals from this group's state of the last commit
+            self.comm.membership.heal.register("averager", self.peer_state, self.load_peer_state)
+            if average_initial_weights:
+                self.comm.membership.heal.commit()
 
     # ---- The loop's calls ----
 
@@ -263,12 +274,15 @@ class FederatedAverager:
         return self._agree(self._payload())
 
     def peer_state(self) -> dict:
-        """What a group that joins needs to take part from now on (a heal): `state_dict` plus this rank's model
-        shards and buffers (copies), right after an averaging, when every group holds the global model."""
-        tensors = [t.detach().clone() for t in model_state_tensors(self.model)]
-        state = _cloned(self.state_dict())
+        """What a group that joins needs to take part from now on (a heal), as of the last committed averaging
+        (`hf_fedshard.engine.rounds`, I1): the global model, `state_dict`. Taken right after each commit; until the
+        next one nothing in it changes (the anchors are the global model, the buffers are copied), so it holds
+        references: a transport sends a copy."""
+        state = self.state_dict()
         state["counters"]["pending_norms"] = None  # sums over a quorum without the joining group: not published
-        return {"model": tensors, "averager": state}
+        anchors = [anchor for f in self.fragments for anchor in f.outer.anchor]
+        buffers = [t.detach().clone() for t in model_state_tensors(self.model)[self._trainable :]]
+        return {"model": anchors + buffers, "averager": state}
 
     def load_peer_state(self, state: dict) -> None:
         """Take a live peer's `peer_state` (same layout and settings): model, anchors, outer state, counters."""
@@ -413,37 +427,19 @@ class FederatedAverager:
             self._restart_diverged(result.diverged, params, keep=indices)
 
     def _in_round(self, attempt: Callable[[], _T], apply: Callable[[_T], None]) -> None:
-        """``apply(attempt())``; with a `Membership`, once the round commits, redoing it over each new quorum.
-
-        ``attempt`` runs the collectives and changes nothing; ``apply`` changes the state. A group whose round
-        failed where the others' committed takes a live peer's state in `Membership.next_round` (a heal): its
-        round is then over.
-        """
+        """``apply(attempt())``; with a `Membership`, a round of `hf_fedshard.engine.rounds`: redone over each new
+        quorum until it commits, or until this group heals there."""
         membership = self.comm.membership
         if membership is None:
             apply(attempt())
             return
-        while True:
-            result = attempt()
-            if membership.commit():
-                apply(result)
-                self._next_round(membership)
-                return
-            if self.comm.control.rank() == 0:
-                logger.warning(
-                    "hf_fedshard: the averaging at step %d failed (a group left or a link broke): forming a new "
-                    "quorum and averaging again among the groups alive.",
-                    self.step_count,
-                )
-            if self._next_round(membership).healed:
-                return
+        describe = f"at step {self.step_count}" if self.comm.control.rank() == 0 else ""
+        run_round(membership, membership.heal, attempt, apply, self._new_quorum, describe)
 
-    def _next_round(self, membership: Membership) -> Round:
-        """The next quorum; the pending norms are dropped where it changed (their slots were the old quorum's)."""
-        next_round = membership.next_round()
-        if next_round.changed:
+    def _new_quorum(self, formed: Round) -> None:
+        """The pending norms are dropped where the quorum changed (their slots were the old quorum's)."""
+        if formed.changed:
             self._norms = None
-        return next_round
 
     def _start(self, fragment: Fragment) -> None:
         """Start ``fragment``'s exchange on the worker thread; `_apply` finishes it ``overlap`` steps later."""
@@ -496,7 +492,7 @@ class FederatedAverager:
         self._wait_in_flight()
         device = tensors[0].device if tensors else _device_of(self.model)
         with self._explain():
-            return agree(self.comm, all_finite(tensors), self._norms, device)
+            return agree(self.comm, all_finite(tensors), self._norms, device, self.step_count)
 
     def _publish(self, published: tuple[float, float] | None) -> None:
         if published is not None:
@@ -665,18 +661,6 @@ class FederatedAverager:
         )  # fmt: skip
 
 
-def _mesh_communicator(mesh: DeviceMesh | None, options: AveragingOptions) -> FederationCommunicator:
-    """The one-job transport over ``mesh``'s world (imported here: the engine depends on no transport otherwise)."""
-    from hf_fedshard.transports.mesh import FederationLayout, mesh_communicator
-
-    if mesh is None:
-        raise ConfigError("FederatedAverager needs the world mesh (FederationLayout.build_mesh) or a communicator=.")
-    layout = FederationLayout.from_mesh(mesh)
-    return mesh_communicator(
-        layout, mesh, options.timeout_s, overlap=options.sync_overlap > 0, split=options.split_exchange
-    )
-
-
 def _check_model_and_optimizer(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: DeviceMesh | None
 ) -> list[nn.Parameter]:
@@ -728,17 +712,6 @@ def _check_dim0_shards(model: nn.Module) -> None:
                 f"placed {placements}. Shard with fully_shard's default placement (no shard_placement_fn), or give "
                 "every group the same size."
             )
-
-
-def _cloned(state: object) -> object:
-    """``state`` with every tensor copied, so that training on does not change what a peer is sent."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: _cloned(v) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(_cloned(v) for v in state)
-    return state
 
 
 def _device_of(model: nn.Module) -> torch.device:

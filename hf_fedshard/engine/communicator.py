@@ -34,6 +34,7 @@ from torch.distributed import ProcessGroup, ReduceOp, all_gather_single, all_red
 
 if TYPE_CHECKING:
     from hf_fedshard.engine.pieces import GroupShape
+    from hf_fedshard.engine.rounds import HealState
 
 
 class Communicator(Protocol):
@@ -86,11 +87,14 @@ class ProcessGroupCommunicator:
 class Membership(Protocol):
     """A transport whose set of groups may change between averagings.
 
-    An averaging is a *round*: its collectives run over the quorum formed before it, then `commit` says whether
-    every one of them succeeded on every rank of this group. Only a committed round changes any state; after it
-    (or after a failed one) `next_round` forms the quorum of the groups alive for the next. A group that is behind
-    (it failed a round the others committed, or it has just started) takes a live peer's state there instead.
+    An averaging is a *round* (`hf_fedshard.engine.rounds`: its states and invariants): its collectives run over
+    the quorum formed before it, then `commit` says whether every one of them succeeded on every rank of the
+    quorum. Only a committed round changes any state; after it (or after a failed one) `next_round` forms the
+    quorum of the groups alive for the next. A group that is behind (it failed a round the others committed, or it
+    has just started) is handed a live peer's committed state there (into ``heal``), which the round applies.
     """
+
+    heal: HealState  # the parts a joining group is sent (`hf_fedshard.engine.rounds`)
 
     def commit(self) -> bool: ...
 

@@ -17,6 +17,7 @@ parameter (the form `FederatedAverager.load_state_dict` takes from a checkpoint 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,3 +94,11 @@ def mend(parts: PeerParts) -> dict:
     model, anchors, momenta = tensors[:count], tensors[count : count + len(held)], iter(tensors[count + len(held) :])
     outer = {"anchor": anchors, "momentum": [next(momenta) if h else None for h in held]}
     return {**parts.state, "model": model, "averager": {**averager, "outer": outer}}
+
+
+def mended(parts: PeerParts) -> dict:
+    """A heal's parts, received on this rank's own shards, as the committed state they were cut from (`cut` works
+    on its ``averager`` part; the others travel whole)."""
+    if not parts.specs:
+        return parts.state
+    return {**parts.state, "averager": mend(dataclasses.replace(parts, state=parts.state["averager"]))}

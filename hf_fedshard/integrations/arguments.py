@@ -29,9 +29,8 @@ from hf_fedshard.engine.settings_history import AveragingSettings
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.timeouts import start_world_process_group
 from hf_fedshard.notices import notice as _notice
-from hf_fedshard.transports.mesh import FederationLayout, parse_group_size
-
-TRANSPORTS = ("mesh", "torchft")
+from hf_fedshard.topology import FederationLayout, parse_group_size
+from hf_fedshard.transports import TRAINER_TRANSPORTS, TRANSPORTS
 
 
 def _env_flag(name: str) -> bool:
@@ -95,7 +94,7 @@ class FedShardArgumentsMixin:
     Transport (docs/fault_tolerance.md, "Groups that die and join"):
         fed_transport (`str`, defaults to `"mesh"`): `"mesh"`: every group in one job (one launch, one
             `torch.distributed` world); a failed rank stops the job. `"torchft"`: every group is its own launch
-            and averages through torchft with the groups alive (needs `pip install -e '.[elastic]'` in a clone).
+            and averages through torchft with the groups alive (needs `pip install -e '.[elastic]'` in the clone).
         fed_lighthouse (`str`, *optional*): torchft: the Lighthouse's address, `http://HOST:PORT`
             (`python -m hf_fedshard.lighthouse`).
         fed_group_id (`int`, *optional*): torchft: this launch's group, in `0 … fed_num_groups - 1`.
@@ -210,9 +209,8 @@ class FedShardArgumentsMixin:
     fed_transport: str = field(
         default="mesh",
         metadata={
-            "help": "mesh: every group in one job. torchft: every group its own launch, averaging with the groups "
-            "alive (a dead group costs the others nothing).",
-            "choices": list(TRANSPORTS),
+            "help": " ".join(f"{name}: {TRANSPORTS[name].summary}" for name in TRAINER_TRANSPORTS),
+            "choices": list(TRAINER_TRANSPORTS),
         },
     )
     fed_lighthouse: str | None = field(
@@ -230,7 +228,9 @@ class FedShardArgumentsMixin:
         # Adjust FSDP, use_cpu and token averaging before TrainingArguments reads them.
         self.fed_group_size = parse_group_size(self.fed_group_size)
         self._check_transport()
-        if self.fed_elastic:  # every group writes its own checkpoints, logs and exports: no barrier across groups
+        if (
+            self.fed_launch_per_group
+        ):  # every group writes its own checkpoints, logs and exports: no barrier across groups
             self.output_dir = os.path.join(self.output_dir or "trainer_output", f"fed_group{self.fed_group_id}")
         options = self.fed_averaging_options  # checks the averaging settings, one line each
         layout = self.fed_layout  # validates the sizes against WORLD_SIZE before any process group exists
@@ -262,7 +262,7 @@ class FedShardArgumentsMixin:
         if layout.federated:
             self.average_tokens_across_devices = False
         super().__post_init__()
-        if self.fed_elastic:
+        if self.fed_launch_per_group:
             self._check_elastic_schedule()
         if self.fed_eval_per_group and not self.fed_evaluates_groups:
             _notice(
@@ -313,12 +313,13 @@ class FedShardArgumentsMixin:
     @property
     def fed_requested(self) -> bool:
         """True when any federation setting is given (even one group of HSDP through `fed_shard_size`)."""
-        return self.fed_group_size is not None or self.fed_shard_size is not None or self.fed_elastic
+        return self.fed_group_size is not None or self.fed_shard_size is not None or self.fed_launch_per_group
 
     @property
-    def fed_elastic(self) -> bool:
-        """True with ``fed_transport torchft``: this launch is one group of a federation of launches."""
-        return self.fed_transport == "torchft"
+    def fed_launch_per_group(self) -> bool:
+        """True where each group is a launch of its own (``fed_transport torchft``): this launch is one group of a
+        federation of launches."""
+        return TRANSPORTS[self.fed_transport].launch_per_group
 
     @property
     def fed_evaluates_groups(self) -> bool:
@@ -330,7 +331,7 @@ class FedShardArgumentsMixin:
         """The federation layout (needs only the `WORLD_SIZE` environment variable); with torchft, the nominal
         one of ``fed_num_groups`` launches like this one."""
         launch = self.fed_launch_layout
-        if not self.fed_elastic:
+        if not self.fed_launch_per_group:
             return launch
         if isinstance(self.fed_group_size, tuple):  # groups of unequal size: the list names every group's
             return FederationLayout(sum(self.fed_group_size), self.fed_group_size, self.fed_shard_size)
@@ -339,24 +340,24 @@ class FedShardArgumentsMixin:
     @property
     def fed_launch_layout(self) -> FederationLayout:
         """This launch's ranks: the whole federation with ``mesh``, one group with torchft."""
-        if self.fed_elastic and isinstance(self.fed_group_size, tuple):
+        if self.fed_launch_per_group and isinstance(self.fed_group_size, tuple):
             return FederationLayout.from_env(self.fed_group_size[self.fed_group_id], self.fed_shard_size)
         return FederationLayout.from_env(self.fed_group_size, self.fed_shard_size)
 
     def fed_group_index(self, process_index: int) -> int:
         """The federation group of the rank ``process_index`` of this launch."""
-        return self.fed_group_id if self.fed_elastic else self.fed_layout.group_index(process_index)
+        return self.fed_group_id if self.fed_launch_per_group else self.fed_layout.group_index(process_index)
 
     def _check_transport(self) -> None:
         """The transport's own settings, before any process group (one line each)."""
-        if self.fed_transport not in TRANSPORTS:
+        if self.fed_transport not in TRAINER_TRANSPORTS:
             raise ConfigError(
                 f"fed_transport={self.fed_transport!r} is unknown. Set --fed_transport to one of "
-                f"{', '.join(TRANSPORTS)}."
+                f"{', '.join(TRAINER_TRANSPORTS)}."
             )
         torchft_only = {"fed_lighthouse": self.fed_lighthouse, "fed_group_id": self.fed_group_id,
                         "fed_num_groups": self.fed_num_groups}  # fmt: skip
-        if not self.fed_elastic:
+        if not self.fed_launch_per_group:
             given = [name for name, value in torchft_only.items() if value is not None]
             if given:
                 raise ConfigError(

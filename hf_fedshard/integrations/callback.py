@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_callback import CallbackHandler, PrinterCallback, ProgressCallback
 from transformers.trainer_utils import IntervalStrategy
 
 from hf_fedshard.engine import (
@@ -105,19 +104,6 @@ class FedAvgCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.averager.finish()
-
-
-def add_before_progress(handler: CallbackHandler, callback: TrainerCallback) -> None:
-    """Add ``callback`` right before Trainer's progress bar (or its printer), not after it as `add_callback` does.
-
-    The averager is built in ``on_train_begin`` and says once how it averages; after the progress callback that
-    line would land inside the bar it has just opened. Every callback before it (Trainer's flow callback, which
-    decides ``should_evaluate`` before `FedAvgCallback.on_step_end` reads it) keeps its place.
-    """
-    bars = (ProgressCallback, PrinterCallback)
-    callbacks = handler.callbacks
-    where = next((i for i, known in enumerate(callbacks) if isinstance(known, bars)), len(callbacks))
-    callbacks.insert(where, callback)
 
 
 def _epoch_evaluation_follows(args: TrainingArguments, state: TrainerState, control: TrainerControl) -> bool:

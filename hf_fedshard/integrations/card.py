@@ -5,13 +5,20 @@ or a subclass's, such as TRL's), loaded back with `huggingface_hub.ModelCard` an
 joins `model-index`, and a section rendered from ``templates/card_section.md`` describes the federation where
 there was one, and what the run really was otherwise. Every figure comes from the trainer's own records
 (`state.log_history`, the federation counters).
+
+What the upstream cards guess wrong is corrected in place (`correct_card_text`): where the model started (a Hub
+model, a local folder's recorded origin, a local folder, or from scratch), the device, the optimizer's name, the
+"More information needed" sections, and TRL's quick-start snippet.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +33,8 @@ if TYPE_CHECKING:
 
 TEMPLATE = Path(__file__).parent / "templates" / "card_section.md"
 PLOT_NAME = "training_curves.png"
-CARD_EXTRAS = ("tokens_per_sample", "command")  # create_model_card keywords for hf_fedshard's section only
+# create_model_card keywords for hf_fedshard's part of the card only
+CARD_EXTRAS = ("tokens_per_sample", "command", "hub_dataset")
 PAPER_TITLE = "Accelerating Sharded Data Parallelism at Scale with Federated Learning"
 PAPER_BIBTEX = """@inproceedings{fedshard2026,
   title     = {Accelerating Sharded Data Parallelism at Scale with Federated Learning},
@@ -36,6 +44,7 @@ PAPER_BIBTEX = """@inproceedings{fedshard2026,
 
 
 WALL_SECONDS = "wall_seconds"
+ORIGIN_FILE = "origin.json"  # in a model folder: the Hub model it was made from, and how (hf_fedshard.tools.models)
 
 
 class TrainingClock(TrainerCallback):
@@ -273,12 +282,136 @@ def card_section(trainer: FedShardTrainer, tokens_per_sample: int | None = None,
     )
 
 
+@dataclass(frozen=True)
+class Start:
+    """Where a run's model started: a Hub model (``base_model``, perhaps from a folder's recorded origin), a local
+    folder that records none (``local``), or neither (trained from scratch)."""
+
+    base_model: str | None = None
+    local: str | None = None
+    weights: str | None = None  # how the weights differ from the Hub model's ("dequantized from GGUF Q4_1")
+    license: str | None = None
+
+    def sentence(self, dataset: str | None) -> str:
+        """The card's opening sentence (Trainer's and TRL's both guess it from a Hub id alone)."""
+        if self.base_model:
+            link = f"[{self.base_model}](https://huggingface.co/{self.base_model})"
+            start = f"was fine-tuned from {link}" + (f" (weights {self.weights})" if self.weights else "")
+        elif self.local:
+            start = f"was fine-tuned from the local model `{self.local}`"
+        else:
+            start = "was trained from scratch"
+        return f"This model {start} on {f'the {dataset} dataset' if dataset else 'an unknown dataset'}."
+
+
+def read_origin(name_or_path: str | None) -> dict | None:
+    """The origin a local model folder records in ``origin.json``, or None."""
+    path = Path(name_or_path) / ORIGIN_FILE if name_or_path else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+
+def starting_point(name_or_path: str | None) -> Start:
+    """Where a model loaded from ``name_or_path`` (its config's ``_name_or_path``; empty when built from a config)
+    started: a folder's ``origin.json`` names its Hub model, another folder is named as it is, else a Hub id."""
+    origin = read_origin(name_or_path)
+    if origin is not None:
+        return Start(base_model=origin["base_model"], weights=origin.get("weights"), license=origin.get("license"))
+    if not name_or_path:
+        return Start()
+    return Start(local=name_or_path) if Path(name_or_path).is_dir() else Start(base_model=name_or_path)
+
+
+def _device(trainer: FedShardTrainer) -> str:
+    """Trainer writes "multi-GPU" for any distributed run: name the device the ranks really ran on."""
+    kind = trainer.args.device.type
+    return f"multi-{ {'cuda': 'GPU'}.get(kind, kind.upper()) }"
+
+
+def optimizer_description(args: Any) -> str:
+    """The optimizer as its ``--optim`` name and settings (Trainer writes "Use OptimizerNames.X with ...")."""
+    name = getattr(args.optim, "value", args.optim)
+    settings = f" (betas {args.adam_beta1}, {args.adam_beta2}; epsilon {args.adam_epsilon})" if "adam" in name else ""
+    return name + settings + (f", optim_args {args.optim_args}" if args.optim_args else "")
+
+
+def _model_description(model: Any) -> str:
+    """Trainer's "Model description" placeholder: the shape, from the config (DTensor parameters count whole)."""
+    config = model.config
+    tied = ", tied input and output embeddings" if getattr(config, "tie_word_embeddings", False) else ""
+    return (
+        f"A {config.model_type} causal language model of {sum(p.numel() for p in model.parameters()):,} "
+        f"parameters: {config.num_hidden_layers} layers, hidden size {config.hidden_size}, vocabulary "
+        f"{config.vocab_size:,}{tied}."
+    )
+
+
+def _data_description(trainer: FedShardTrainer, dataset: str | None) -> str | None:
+    """Trainer's "Training and evaluation data" placeholder: the dataset as given and its sizes (None: unknown)."""
+    if dataset is None:
+        return None
+    sizes = [
+        f"{len(data):,} {split} samples"
+        for split, data in (("training", trainer.train_dataset), ("evaluation", trainer.eval_dataset))
+        if hasattr(data, "__len__") and not isinstance(data, dict)
+    ]
+    return f"The {dataset} dataset" + (f": {' and '.join(sizes)}." if sizes else ".")
+
+
+def quick_start(location: str, chat: bool) -> str:
+    """TRL's quick-start snippet, loading this model from ``location`` (TRL's loads ``hub_model_id``: "None" unless
+    pushed), with a chat prompt only where the tokenizer has a chat template."""
+    load = f'generator = pipeline("text-generation", model="{location}")\n'
+    if chat:
+        prompt = '[{"role": "user", "content": "What is the capital of France?"}]'
+        call = f'print(generator({prompt}, max_new_tokens=64, return_full_text=False)[0]["generated_text"])\n'
+    else:
+        call = 'print(generator("Once upon a time", max_new_tokens=64)[0]["generated_text"])\n'
+    return "from transformers import pipeline\n\n" + load + call
+
+
+def correct_card_text(text: str, trainer: FedShardTrainer, start: Start, dataset: str | None) -> str:
+    """The upstream card's text with what it guessed replaced by what ran (each a no-op where it is absent)."""
+    text = re.sub(r"^This model (is a fine-tuned version of|was trained from scratch) .*$",
+                  lambda _: start.sentence(dataset), text, count=1, flags=re.M)  # fmt: skip
+    text = re.sub(r"^- distributed_type: .*$", lambda _: f"- distributed_type: {_device(trainer)}", text, flags=re.M)
+    optimizer = f"- optimizer: {optimizer_description(trainer.args)}"
+    text = re.sub(r"^- optimizer: Use .*?(?=\n- |\n\n)", lambda _: optimizer, text, flags=re.M | re.S)
+    known = {"Model description": _model_description(trainer.model), "Training and evaluation data":
+             _data_description(trainer, dataset)}  # fmt: skip
+    text = re.sub(r"\n## ([^\n]+)\n\nMore information needed\n",
+                  lambda m: f"\n## {m[1]}\n\n{known[m[1]]}\n" if known.get(m[1]) else "", text)  # fmt: skip
+    location = getattr(trainer, "hub_model_id", None) or trainer.args.output_dir
+    chat = getattr(trainer.processing_class, "chat_template", None) is not None
+    return re.sub(r"(## Quick start\n\n```python\n).*?(```)",
+                  lambda m: m[1] + quick_start(location, chat) + m[2], text, count=1, flags=re.S)  # fmt: skip
+
+
+def correct_card(
+    card: ModelCard, trainer: FedShardTrainer, finetuned_from: str | None, dataset: str | None, hub_dataset: bool = True
+) -> None:
+    """Metadata and text of the upstream card made right for what ran: ``base_model`` (from the model's own
+    origin unless ``finetuned_from`` is given) and the tags naming it, the license a recorded origin names, no TRL
+    placeholders, and no ``datasets`` entry (a Hub link) for data that is not a Hub dataset."""
+    start = starting_point(finetuned_from or getattr(trainer.model.config, "_name_or_path", None))
+    card.data.base_model = start.base_model
+    card.data.license = card.data.license or start.license
+    card.data.pop("licence", None)  # TRL's misspelt placeholder ("licence: license")
+    # PEFT tags an adapter "base_model:adapter:<where it was loaded from>", a local path for a converted model.
+    base = f":{start.base_model}"
+    card.data.tags = [t for t in card.data.tags or [] if not t.startswith("base_model:") or t.endswith(base)] or None
+    if not hub_dataset:
+        card.data.datasets = None
+    card.text = correct_card_text(card.text, trainer, start, dataset)
+
+
 def extend_card(
     trainer: FedShardTrainer,
     dataset: str | None = None,
     dataset_name: str | None = None,
     tokens_per_sample: int | None = None,
     command: str | None = None,
+    finetuned_from: str | None = None,
+    hub_dataset: bool = True,
     **_unused: Any,
 ) -> Path:
     """Add hf_fedshard's section, tags, plot and eval perplexity to the card the trainer just wrote (Trainer's or
@@ -288,10 +421,13 @@ def extend_card(
         dataset / dataset_name: the training data's name (`Trainer.create_model_card` / TRL's keyword).
         tokens_per_sample: tokens in one sample (block size), for the token counts of the results table.
         command: the script and its arguments, for "How to reproduce".
+        finetuned_from: where the model started, if not where it was loaded from (`Trainer.create_model_card`).
+        hub_dataset: False for data that is not a Hub dataset (an offline corpus, local files): no Hub link to it.
     """
     out = Path(trainer.args.output_dir)
     path = out / "README.md"
     card = ModelCard.load(path)
+    correct_card(card, trainer, finetuned_from, dataset or dataset_name, hub_dataset)
     layout = trainer.fed_layout
     tags = ["hf_fedshard"]
     if trainer.is_fsdp_enabled:

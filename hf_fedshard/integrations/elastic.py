@@ -1,16 +1,18 @@
-"""The Trainer's side of ``fed_transport torchft``: what every group must share, what a joining group is sent, and
-how it starts from it.
+"""The Trainer's side of ``fed_transport torchft``: what every group must share, what a joining group is sent, and how
+it starts from it.
 
-A group that joins a running federation (a restart, or a new group) heals before its training loop starts: the
-first quorum hands it a live peer's state right after an averaging, and the Trainer resumes from it as from a
-checkpoint (global step, learning-rate schedule, data position, global model, anchors and outer state), except that
-its inner optimizer starts fresh: only the trainer state, ``trainer_state.json``, touches the disk, in a temporary
-folder of its own. Between groups of unequal size the same state travels in parts (`peer_parts`, `peer_state_of`),
-its tensors copied onto the joining group's own shards.
+A group that joins a running federation (a restart, or a new group) heals before its training loop starts: the first
+quorum hands it a live peer's state as of that peer's last committed averaging, and the Trainer resumes from it as
+from a checkpoint (global step, learning-rate schedule, data position, global model, anchors and outer state),
+except that its inner optimizer starts fresh: only the trainer state, ``trainer_state.json``, touches the disk, in a
+temporary folder of its own. What it is sent is registered by part (`register_heal_parts`,
+`hf_fedshard.engine.rounds`), as of the sender's last committed averaging. Between groups of unequal size the same
+state travels in parts (`cut_state`), its tensors copied onto the joining group's own shards.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -20,14 +22,13 @@ from typing import TYPE_CHECKING
 from transformers.trainer import TRAINER_STATE_NAME
 
 from hf_fedshard.checkpointing.checkpoint import model_fingerprint
-from hf_fedshard.engine.heal import PeerParts, cut, mend
+from hf_fedshard.engine.heal import PeerParts, cut
 from hf_fedshard.engine.payload import model_state_addresses, model_state_shapes
+from hf_fedshard.engine.rounds import HealState
 from hf_fedshard.transports.elastic import fingerprint
 
 if TYPE_CHECKING:
     from hf_fedshard.integrations.trainer import FedShardMixin
-
-NOT_READY = "not_ready"
 
 
 def federation_fingerprint(trainer: FedShardMixin) -> str:
@@ -37,7 +38,11 @@ def federation_fingerprint(trainer: FedShardMixin) -> str:
         layout = args.fed_layout
     return fingerprint(
         model=model_fingerprint(trainer.model),
-        averaging=dataclasses.replace(args.fed_averaging_options, timeout_s=None),  # each group its own timeout
+        **{  # each setting on its own, so that a refusal names the one that differs; each group its own timeout
+            f"fed_{name}": value
+            for name, value in dataclasses.asdict(args.fed_averaging_options).items()
+            if name != "timeout_s"
+        },
         group=(layout.group_size, layout.shard_size),
         group_batch=args.per_device_train_batch_size * layout.group_sizes[0] * args.gradient_accumulation_steps,
         num_groups=args.fed_num_groups,
@@ -46,33 +51,22 @@ def federation_fingerprint(trainer: FedShardMixin) -> str:
     )
 
 
-def peer_state(trainer: FedShardMixin) -> dict:
-    """What this group sends a joining one, right after an averaging (its main thread waits meanwhile)."""
-    callback = trainer.fed_callback
-    if callback is None or callback.averager is None:
-        return {NOT_READY: True}
-    return {
-        "averager": callback.averager.peer_state(),
-        "trainer": dataclasses.asdict(trainer.state),
-        "scheduler": trainer.lr_scheduler.state_dict(),
-    }
+def register_heal_parts(trainer: FedShardMixin, heal: HealState) -> None:
+    """The training loop's parts of what a joining group is sent (the averager registers its own): the trainer
+    state (global step, data position) and the learning-rate schedule, each as of the last committed averaging."""
+    heal.register("trainer", lambda: dataclasses.asdict(trainer.state), trainer._check_peer_step)
+    heal.register(
+        "scheduler",
+        lambda: copy.deepcopy(trainer.lr_scheduler.state_dict()),
+        lambda state: trainer.lr_scheduler.load_state_dict(state),
+    )
 
 
-def peer_parts(trainer: FedShardMixin) -> PeerParts:
-    """`peer_state` in parts, for a group of another size (`hf_fedshard.engine.heal`): the tensors by address."""
-    state = peer_state(trainer)
-    if state.get(NOT_READY):
-        return PeerParts(state, [], [])
+def cut_state(trainer: FedShardMixin, state: dict) -> PeerParts:
+    """A committed state in parts, for a group of another size (`hf_fedshard.engine.heal`): the tensors by address."""
     model = trainer.fed_callback.averager.model
     parts = cut(state["averager"], model_state_shapes(model), model_state_addresses(model))
     return dataclasses.replace(parts, state={**state, "averager": parts.state})
-
-
-def peer_state_of(parts: PeerParts) -> dict:
-    """`peer_parts`' output, received on this rank's own shards, as `peer_state` (the same heal from then on)."""
-    if not parts.specs:
-        return parts.state
-    return {**parts.state, "averager": mend(dataclasses.replace(parts, state=parts.state["averager"]))}
 
 
 def resume_folder(state: dict) -> str:

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import TrainingArguments
 
 from hf_fedshard.errors import ConfigError
-from hf_fedshard.transports.mesh import FederationLayout, MeshAxis
+from hf_fedshard.topology import FederationLayout, MeshAxis
 
 
 def requested_fsdp_plugin(args: TrainingArguments) -> FullyShardedDataParallelPlugin | None:

@@ -8,9 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import StateDictType
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback, TrainerCallback
 from transformers.trainer_utils import (
     PREFIX_CHECKPOINT_DIR,
     IntervalStrategy,
@@ -59,31 +57,29 @@ from hf_fedshard.checkpointing.reshard import (
 from hf_fedshard.checkpointing.resume import load_on_every_rank, resumable_checkpoint
 from hf_fedshard.engine import FederationCommunicator, ProcessGroupCommunicator
 from hf_fedshard.engine.payload import all_finite, load_model_state, model_state_tensors
+from hf_fedshard.engine.rounds import HealState
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.arguments import FedShardArgumentsMixin, FedShardTrainingArguments
-from hf_fedshard.integrations.callback import FedAvgCallback, add_before_progress
+from hf_fedshard.integrations.callback import FedAvgCallback
 from hf_fedshard.integrations.card import CARD_EXTRAS, TrainingClock, clock_hidden, extend_card
-from hf_fedshard.integrations.elastic import (
-    NOT_READY,
-    federation_fingerprint,
-    peer_parts,
-    peer_state,
-    peer_state_of,
-    resume_folder,
-)
+from hf_fedshard.integrations.elastic import cut_state, federation_fingerprint, register_heal_parts, resume_folder
+from hf_fedshard.integrations.file_modes import follow_umask
 from hf_fedshard.integrations.fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
 from hf_fedshard.integrations.group_eval import evaluate_each_group
 from hf_fedshard.integrations.group_gather import gathers_within_group
 from hf_fedshard.integrations.timeouts import explain_stalled_collectives
 from hf_fedshard.notices import notice
-from hf_fedshard.transports.elastic import ElasticFederation
+from hf_fedshard.topology import FederationLayout
+from hf_fedshard.transports import TRANSPORTS
 from hf_fedshard.transports.mesh import (
-    FederationLayout,
     destroy_gloo_groups_at_exit,
     group_process_group,
     mesh_communicator,
     replica_process_group,
 )
+
+if TYPE_CHECKING:
+    from hf_fedshard.transports.elastic import ElasticFederation
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +144,7 @@ class FedShardMixin(Trainer):
             )
         destroy_gloo_groups_at_exit()
         self.add_callback(TrainingClock())
-        if self.args.fed_elastic:
+        if self.args.fed_launch_per_group:
             self.fed_federation = self._join_federation_of_launches()
             launch = self.args.fed_launch_layout  # this group's replicas (groups of unequal size may differ)
             split = self.args.fed_split_exchange and launch.replicas > 1
@@ -165,7 +161,14 @@ class FedShardMixin(Trainer):
         if self.fed_communicator is not None:
             before_eval = self._evaluate_each_group if self.args.fed_eval_per_group else None
             self.fed_callback = FedAvgCallback(self.fed_communicator, self.args.fed_averaging_options, before_eval)
-            add_before_progress(self.callback_handler, self.fed_callback)
+            self._add_before_progress(self.fed_callback)
+
+    def _add_before_progress(self, callback: TrainerCallback) -> None:
+        """Add ``callback`` ahead of the progress bar's, so that what it says at train begin (the averaging it
+        builds) is printed before the bar is drawn, not inside it."""
+        callbacks = self.callback_handler.callbacks
+        bar = next((i for i, c in enumerate(callbacks) if isinstance(c, ProgressCallback | PrinterCallback)), None)
+        callbacks.insert(len(callbacks) if bar is None else bar, callback)
 
     @property
     def fed_layout(self) -> FederationLayout:
@@ -212,7 +215,7 @@ class FedShardMixin(Trainer):
     def _get_dataloader(self, dataset: Any, description: str, *args: Any, **kwargs: Any):
         # Accelerate shards batches over the mesh's dp axes (one group); groups must read disjoint data.
         first_rank = None  # torchft: this launch reads what its ranks read in one job of the nominal layout
-        if self.args.fed_elastic and kwargs.get("is_training"):
+        if self.args.fed_launch_per_group and kwargs.get("is_training"):
             first_rank = self.fed_layout.first_rank(self.args.fed_group_id)
         with world_data_view(self.accelerator, first_rank, self.fed_layout.world_size):
             dataloader = super()._get_dataloader(dataset, description, *args, **kwargs)
@@ -328,7 +331,7 @@ class FedShardMixin(Trainer):
         change = self._layout_change
         if change is None:
             return
-        if self.args.fed_elastic:
+        if self.args.fed_launch_per_group:
             raise ConfigError(
                 f"resume_from_checkpoint={checkpoint} was written on {change.old_layout()}, but fed_transport torchft "
                 "resumes a group's checkpoint only on its own group size. Relaunch the group on "
@@ -382,52 +385,49 @@ class FedShardMixin(Trainer):
     # ---- fed_transport torchft: groups that join and leave ----
 
     def _join_federation_of_launches(self) -> ElasticFederation:
-        """This launch's torchft side; it reaches the lighthouse when `train` joins the first quorum."""
-        return ElasticFederation(
+        """This launch's side of a federation of launches (``fed_transport torchft``, from `TRANSPORTS`); it reaches
+        the lighthouse when `train` joins the first quorum."""
+        heal = HealState()
+        register_heal_parts(self, heal)
+        federation = TRANSPORTS[self.args.fed_transport].load()
+        return federation(
             lighthouse=self.args.fed_lighthouse, group_id=self.args.fed_group_id,
             num_groups=self.args.fed_num_groups, group=torch.distributed.group.WORLD,
-            timeout_s=self.args.fed_exchange_timeout_s, fingerprint=federation_fingerprint(self),
-            provide=lambda: peer_state(self), receive=self._take_peer_state, layout=self.fed_layout,
-            provide_parts=lambda: peer_parts(self),
-            receive_parts=lambda parts: self._take_peer_state(peer_state_of(parts)),
+            timeout_s=self.args.fed_exchange_timeout_s, fingerprint=federation_fingerprint(self), heal=heal,
+            layout=self.fed_layout, cut=lambda state: cut_state(self, state),
         )  # fmt: skip
 
     def _join_quorum(self, checkpoint: str | None) -> str | None:
-        """Join the federation's quorum before training: a group behind the others resumes from a live peer's state
-        (a temporary folder holds its trainer_state.json), one level with them from ``checkpoint`` or afresh."""
+        """Join the federation's quorum before training: a group behind the others resumes from a live peer's
+        committed state (a temporary folder holds its trainer_state.json), one level with them from ``checkpoint``
+        or afresh."""
         syncs = (
             0 if checkpoint is None else read_counters(checkpoint, self._group_index, self.args.process_index)["syncs"]
         )
+        heal = self.fed_federation.heal
         self.fed_federation.join(int(syncs))
-        if self._peer_state is None:
+        if not heal.held:
             return checkpoint
+        self._peer_state, heal.held = heal.held, {}
         folder = resume_folder(self._peer_state)
         if self.args.should_log:
             logger.warning(
-                "hf_fedshard: fed_group%d healed from a live group: resuming at step %d with the global model, its "
-                "anchors and outer state; the inner optimizer starts afresh.",
+                "hf_fedshard: fed_group%d healed from a live group: resuming at step %d (its last averaging) with the "
+                "global model, its anchors and outer state; the inner optimizer starts afresh.",
                 self.args.fed_group_id, self._peer_state["trainer"]["global_step"],
             )  # fmt: skip
         return folder
 
-    def _take_peer_state(self, state: dict) -> None:
-        """A live peer's state, sent when this group heals: kept for the resume before training, loaded after a
-        round this group lost while the others committed it (same step)."""
-        if state.get(NOT_READY):
+    def _check_peer_step(self, trainer_state: dict) -> None:
+        """A heal during training (this group lost a round the others committed): the peer's state must be of this
+        step (`hf_fedshard.engine.rounds` I4); its averager part then loads it."""
+        if trainer_state["global_step"] != self.state.global_step:
             raise RuntimeError(
-                f"hf_fedshard: fed_group{self.args.fed_group_id} is behind the federation, but the group it would heal "
-                "from has not started training yet (it is resuming too). Restart this group once the others train."
+                f"hf_fedshard: fed_group{self.args.fed_group_id} fell behind the federation by more than one "
+                f"averaging: at step {self.state.global_step} it was sent a peer's state of step "
+                f"{trainer_state['global_step']}. Restarting the group heals it at its first quorum (torchrun "
+                "--max-restarts does it)."
             )
-        averager = self.fed_callback.averager
-        if averager is None:
-            self._peer_state = state
-            return
-        if state["trainer"]["global_step"] != self.state.global_step:
-            raise RuntimeError(
-                f"hf_fedshard: fed_group{self.args.fed_group_id} at step {self.state.global_step} was sent a peer's "
-                f"state of step {state['trainer']['global_step']}; the groups left each other's schedule."
-            )
-        averager.load_peer_state(state["averager"])
 
     @property
     def _group_pg(self) -> ProcessGroup:
@@ -609,7 +609,13 @@ class FedShardMixin(Trainer):
         # group gets its own model back), FSDP2's shards gathered (Trainer writes nothing for SHARDED_STATE_DICT).
         # Federated checkpoints never come here (see _save_checkpoint), so this gathers for exports only.
         if self.fed_callback is None:
-            return super().save_model(output_dir, _internal_call)
+            super().save_model(output_dir, _internal_call)
+        else:
+            self._save_global_model(output_dir, _internal_call)
+        if self.args.should_save:  # safetensors writes its files 0600: the weights get the umask's mode like the rest
+            follow_umask(output_dir or self.args.output_dir)
+
+    def _save_global_model(self, output_dir: str | None, _internal_call: bool) -> None:
         with self.fed_callback.global_model():
             if self.accelerator.state.fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
                 return super().save_model(output_dir, _internal_call)
@@ -617,13 +623,6 @@ class FedShardMixin(Trainer):
         self._save(output_dir or self.args.output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        # safetensors >= 0.8 writes through a temporary file created 0600 and renamed into place
-        # (safetensors/safetensors#782): give the weights the mode every other file of the export gets.
-        super()._save(output_dir, state_dict)
-        if self.args.should_save:  # the ranks that wrote
-            give_umask_mode(Path(output_dir or self.args.output_dir).glob("*.safetensors"))
 
 
 class FedShardTrainer(FedShardMixin, Trainer):
@@ -642,11 +641,3 @@ class FedShardTrainer(FedShardMixin, Trainer):
 def _timeout_setting(args: FedShardArgumentsMixin) -> str:
     """How the limit on a cross-group collective is named in errors."""
     return f"fed_timeout_s={args.fed_timeout_s:g}" if args.fed_timeout_s else "ddp_timeout (fed_timeout_s unset)"
-
-
-def give_umask_mode(paths: Iterable[Path]) -> None:
-    """Set each file's mode to what the process umask gives a new file (0644 under umask 022)."""
-    umask = os.umask(0o022)  # reading the umask means setting it: put it straight back
-    os.umask(umask)
-    for path in paths:
-        path.chmod(0o666 & ~umask)

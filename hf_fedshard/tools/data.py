@@ -145,9 +145,29 @@ def pack(
     return DatasetDict(packed)
 
 
+def cache_home() -> Path:
+    """hf_fedshard's cache: ``$HF_FEDSHARD_CACHE`` or ``~/.cache/hf_fedshard`` (a machine's own disk)."""
+    return Path(os.environ.get("HF_FEDSHARD_CACHE", Path.home() / ".cache" / "hf_fedshard"))
+
+
 def cache_root() -> Path:
-    """Where prepared data lives: ``$HF_FEDSHARD_CACHE`` or ``~/.cache/hf_fedshard`` (a machine's own disk)."""
-    return Path(os.environ.get("HF_FEDSHARD_CACHE", Path.home() / ".cache" / "hf_fedshard")) / "data"
+    """Where prepared data lives (converted models live beside it, in ``models/``)."""
+    return cache_home() / "data"
+
+
+def publish(folder: Path, write: Callable[[Path], None]) -> None:
+    """Create ``folder`` whole or not at all: ``write`` fills a staging folder beside it, then renamed into place,
+    so a crash or a concurrent run never leaves half of it."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        write(staging)
+        staging.rename(folder)
+    except OSError:  # another run with the same key published it first: use theirs
+        if not folder.is_dir():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def prepare_once(
@@ -168,13 +188,11 @@ def prepare_once(
     with args.main_process_first(local=True, desc="data preparation"):
         if not folder.is_dir():
             datasets, tokenizer = build()
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=folder.parent))
-            datasets.save_to_disk(staging / "datasets")
-            tokenizer.save_pretrained(staging / "tokenizer")
-            (staging / "key.json").write_text(json.dumps(key, sort_keys=True, default=str, indent=1))
-            try:
-                staging.rename(folder)
-            except OSError:  # another run with the same key published it first: use theirs
-                shutil.rmtree(staging, ignore_errors=True)
+
+            def write(staging: Path) -> None:
+                datasets.save_to_disk(staging / "datasets")
+                tokenizer.save_pretrained(staging / "tokenizer")
+                (staging / "key.json").write_text(json.dumps(key, sort_keys=True, default=str, indent=1))
+
+            publish(folder, write)
         return load_from_disk(folder / "datasets"), AutoTokenizer.from_pretrained(folder / "tokenizer")

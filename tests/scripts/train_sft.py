@@ -27,7 +27,8 @@ from transformers import HfArgumentParser, PreTrainedTokenizerFast
 from trl import SFTTrainer
 
 from benchmarks.harness.collective_bytes import CrossGroupBytes  # the launcher puts the checkout on PYTHONPATH
-from hf_fedshard.transports.mesh import FederationLayout, destroy_gloo_groups_at_exit
+from hf_fedshard.topology import FederationLayout
+from hf_fedshard.transports.mesh import destroy_gloo_groups_at_exit
 from hf_fedshard.trl import FedShardSFTConfig, FedShardSFTTrainer
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -10,7 +11,10 @@ import pytest
 from transformers import HfArgumentParser
 
 from hf_fedshard import FederatedParallelismConfig, FederationLayout, FedShardTrainingArguments
+from hf_fedshard.errors import ConfigError
+from hf_fedshard.integrations.arguments import FedShardArgumentsMixin
 from hf_fedshard.integrations.fsdp import parallelism_config
+from hf_fedshard.topology import launcher_needed
 
 from ..launch import REPO
 
@@ -231,15 +235,38 @@ def test_help_documents_every_fed_setting():
     assert "Resume from the newest checkpoint in output_dir that verifies" in " ".join(out.split())
 
 
-def test_readme_counts_and_lists_every_fed_setting():
-    """The README's "N `fed_*` settings" and its settings table name exactly the mixin's fields."""
-    from dataclasses import fields
-
-    from hf_fedshard import FedShardArgumentsMixin
-
-    names = [f.name for f in fields(FedShardArgumentsMixin) if f.name.startswith("fed_")]
+def test_the_readme_counts_the_fed_settings_and_its_table_lists_each():
+    """The README's introduction counts the ``fed_*`` settings and its settings table has a row for each."""
+    names = [f.name for f in dataclasses.fields(FedShardArgumentsMixin) if f.name.startswith("fed_")]
     readme = (REPO / "README.md").read_text()
-    count = re.search(r"\((\d+) `fed_\*` settings\)", readme)
-    assert count is not None and int(count.group(1)) == len(names)
-    table = readme.split("## The settings", 1)[1].split("\n\n", 2)[1]
-    assert sorted(re.findall(r"^\| `(fed_\w+)` \|", table, re.M)) == sorted(names)
+    assert re.search(r"\((\d+) `fed_\*` settings", readme).group(1) == str(len(names))
+    rows = set(re.findall(r"^\| `(fed_\w+)` \|", readme, flags=re.M))
+    assert rows == set(names), set(names) ^ rows
+
+
+def test_groups_of_several_ranks_in_a_process_started_without_a_launcher_say_to_use_one(monkeypatch):
+    """``python recipes/pretrain_clm.py --fed_group_size 2`` (no WORLD_SIZE): the fix is the launcher, not the size."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    parser = HfArgumentParser(FedShardTrainingArguments)
+    with pytest.raises(ConfigError, match=r"^fed_group_size=2 needs several processes, .*accelerate launch") as err:
+        parser.parse_args_into_dataclasses(["--output_dir", "unused", "--report_to", "none", "--fed_group_size", "2"])
+    assert "\n" not in str(err.value)
+    (one,) = parser.parse_args_into_dataclasses(["--output_dir", "unused", "--report_to", "none"])
+    assert one.fed_layout.world_size == 1  # a plain run without fed_* settings still runs on one process
+
+
+@pytest.mark.parametrize(
+    ("group", "shard", "setting", "processes"),
+    [(2, None, "fed_group_size=2", 4), ((2, 1), None, "fed_group_size=2,1", 3), (None, 2, "fed_shard_size=2", 2)],
+)
+def test_the_launcher_line_names_the_setting_as_typed_and_a_process_count_that_fits(
+    monkeypatch, group, shard, setting, processes
+):
+    """Two groups of fed_group_size, the listed groups, or one group of fed_shard_size: a count that launches."""
+    monkeypatch.setattr("sys.argv", ["recipes/pretrain_clm.py", "--fed_group_size", "2"])
+    assert launcher_needed(group, shard) == (
+        f"{setting} needs several processes, but this one was started without a launcher (no WORLD_SIZE): run "
+        f"`accelerate launch --num_processes {processes} recipes/pretrain_clm.py ...` or "
+        f"`torchrun --nproc_per_node {processes} recipes/pretrain_clm.py ...`, not plain `python`."
+    )
+    assert launcher_needed(1, None) is None and launcher_needed(None, 1) is None and launcher_needed(0, None) is None

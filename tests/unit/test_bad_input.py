@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -152,7 +151,9 @@ def test_the_resume_refuses_another_format_on_each_rank_before_any_collective(tm
     if manifest:
         files = describe_files(checkpoint, list_files(checkpoint))
         (tmp_path / MANIFEST_NAME).write_text(json.dumps({"files": files}))
-    args = SimpleNamespace(fed_auto_resume=False, output_dir=str(tmp_path.parent), fed_elastic=False, process_index=0)
+    args = SimpleNamespace(
+        fed_auto_resume=False, output_dir=str(tmp_path.parent), fed_launch_per_group=False, process_index=0
+    )
     with pytest.raises(ConfigError, match=r"records no checkpoint format in fed_layout\.json, but this release"):
         resumable_checkpoint(checkpoint, args, FL_FSDP_4, llama())
 
@@ -341,18 +342,3 @@ def test_trainer_refuses_an_evaluation_without_a_batch(tmp_path, monkeypatch):
     trainer = FedShardTrainer(model=llama(), args=args, eval_dataset=samples)
     with pytest.raises(ConfigError, match=r"^Evaluation dataset has 3 samples, fewer than one batch on every rank"):
         trainer.evaluate()
-
-
-@pytest.mark.parametrize("umask", [0o022, 0o002])
-def test_exported_weights_get_the_umask_mode_of_the_other_files(tmp_path, monkeypatch, umask):
-    """safetensors >= 0.8 creates model.safetensors 0600 (a temporary file renamed): the export fixes its mode."""
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    args = FedShardTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    trainer = FedShardTrainer(model=llama(), args=args)
-    previous = os.umask(umask)
-    try:
-        trainer.save_model(str(tmp_path / "export"))
-    finally:
-        os.umask(previous)
-    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "export").iterdir()}
-    assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~umask, modes

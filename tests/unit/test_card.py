@@ -3,15 +3,26 @@ run's figures come from its records (in-process)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from huggingface_hub import ModelCard
-from transformers import TrainerState, TrainingArguments
+from transformers import AutoModelForCausalLM, TrainerState, TrainingArguments
+from trl.trainer.utils import generate_model_card
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
-from hf_fedshard.integrations.card import card_section, results_table
+from hf_fedshard.integrations.card import (
+    ORIGIN_FILE,
+    Start,
+    card_section,
+    correct_card,
+    correct_card_text,
+    results_table,
+    starting_point,
+)
 
 from ..scripts.train_tiny import TokenDataset, tiny_llama
 
@@ -35,6 +46,88 @@ def test_card_of_a_run_without_federation(tmp_path):
     assert "Federation groups" not in card.text and "FedAvg" not in card.text and "bibtex" not in card.text
     assert "hf_fedshard" in card.data.tags and "federated-averaging" not in card.data.tags
     assert "Wall Seconds" not in card.text  # the card clock's stamps stay out of Trainer's results table
+    lines = card.text.splitlines()
+    assert "This model was trained from scratch on the tokens dataset." in lines  # not "fine-tuned version of []"
+    assert "A llama causal language model of 26,784 parameters: 2 layers, hidden size 32, vocabulary 128." in lines
+    assert "The tokens dataset: 8 training samples and 4 evaluation samples." in lines
+    assert "- optimizer: adamw_torch_fused (betas 0.9, 0.999; epsilon 1e-08)" in lines
+    assert "More information needed" not in card.text and "## Intended uses" not in card.text
+    assert card.data.base_model is None
+
+
+SMOLLM2_ORIGIN = {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "weights": "dequantized from GGUF Q4_1",
+                  "license": "apache-2.0"}  # fmt: skip
+
+
+def test_card_of_a_run_from_a_folder_that_records_its_origin(tmp_path):
+    folder = tmp_path / "base"
+    tiny_llama().save_pretrained(folder)
+    (folder / ORIGIN_FILE).write_text(json.dumps(SMOLLM2_ORIGIN))
+    args = FedShardTrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True)
+    trainer = FedShardTrainer(model=AutoModelForCausalLM.from_pretrained(folder), args=args)
+    trainer.create_model_card(dataset="shakespeare")
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and card.data.license == "apache-2.0"
+    assert (
+        "This model was fine-tuned from [HuggingFaceTB/SmolLM2-135M-Instruct]"
+        "(https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct) (weights dequantized from GGUF Q4_1) "
+        "on the shakespeare dataset."
+    ) in card.text.splitlines()
+
+
+def fake_trainer(tmp_path, name_or_path: str) -> SimpleNamespace:
+    """What `correct_card` reads of a trainer: arguments, model, datasets, tokenizer."""
+    model = tiny_llama()
+    model.config._name_or_path = name_or_path
+    args = FedShardTrainingArguments(output_dir=str(tmp_path / "tiny-sft-kjv"), use_cpu=True)
+    return SimpleNamespace(args=args, model=model, train_dataset=None, eval_dataset=None, processing_class=None)
+
+
+def test_trl_card_names_the_local_model_it_started_from_and_loads_this_one(tmp_path):
+    (tmp_path / "tiny-fl-fsdp").mkdir()
+    # What SFTTrainer.create_model_card writes for a model loaded from a local folder, not pushed to the Hub.
+    card = generate_model_card(
+        base_model=None,
+        model_name="tiny-sft-kjv",
+        hub_model_id=None,
+        dataset_name="kjv",
+        tags=[],
+        wandb_url=None,
+        trackio_url=None,
+        trainer_name="SFT",
+    )
+    correct_card(card, fake_trainer(tmp_path, str(tmp_path / "tiny-fl-fsdp")), None, "kjv", hub_dataset=False)
+    lines = card.text.splitlines()
+    assert f"This model was fine-tuned from the local model `{tmp_path / 'tiny-fl-fsdp'}` on the kjv dataset." in lines
+    assert f'generator = pipeline("text-generation", model="{tmp_path / "tiny-sft-kjv"}")' in lines
+    assert 'print(generator("Once upon a time", max_new_tokens=64)[0]["generated_text"])' in lines  # no chat template
+    assert "None" not in card.text and "huggingface.co/datasets" not in card.text
+    assert {"licence", "base_model", "datasets"}.isdisjoint(card.data.to_dict())
+
+
+def test_adapter_card_names_the_hub_model_not_the_converted_folder(tmp_path):
+    folder = tmp_path / "smollm2"
+    folder.mkdir()
+    (folder / ORIGIN_FILE).write_text(json.dumps(SMOLLM2_ORIGIN))
+    card = ModelCard(f"---\ntags:\n- base_model:adapter:{folder}\n- lora\n---\n")  # as PEFT's save_pretrained tags it
+    correct_card(card, fake_trainer(tmp_path, str(folder)), None, "kjv")
+    assert card.data.tags == ["lora"] and card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_opening_sentence_says_where_the_model_started(tmp_path):
+    assert starting_point("").sentence("kjv") == "This model was trained from scratch on the kjv dataset."
+    assert starting_point(str(tmp_path)).sentence(None) == (
+        f"This model was fine-tuned from the local model `{tmp_path}` on an unknown dataset."
+    )
+    assert starting_point("org/model").sentence("kjv") == (
+        "This model was fine-tuned from [org/model](https://huggingface.co/org/model) on the kjv dataset."
+    )
+
+
+def test_card_names_the_device_that_ran():
+    text = "- seed: 42\n- distributed_type: multi-GPU\n- num_devices: 4\n"
+    fixed = correct_card_text(text, fake_trainer(Path("/tmp"), ""), Start(), None)
+    assert fixed == "- seed: 42\n- distributed_type: multi-CPU\n- num_devices: 4\n"
 
 
 @pytest.fixture

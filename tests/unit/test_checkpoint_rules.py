@@ -34,7 +34,7 @@ from hf_fedshard.checkpointing.manifest import MANIFEST_NAME, describe_files, li
 from hf_fedshard.checkpointing.reshard import layout_change, load_global_model, load_mean_optimizer
 from hf_fedshard.checkpointing.resume import resumable_checkpoint
 from hf_fedshard.errors import ConfigError
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
 
 from ..fake_communicator import run_ranks
 from .test_engine import Tiny
@@ -139,7 +139,7 @@ def every_rank_resumes(checkpoint: str, layout: FederationLayout, monkeypatch) -
     def rank_fn(comm):
         ranks.comm = comm
         args = SimpleNamespace(
-            output_dir=os.path.dirname(checkpoint), fed_auto_resume=False, fed_elastic=False,
+            output_dir=os.path.dirname(checkpoint), fed_auto_resume=False, fed_launch_per_group=False,
             process_index=comm.rank(), should_save=comm.rank() == 0,
         )  # fmt: skip
         try:

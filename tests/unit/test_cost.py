@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,14 +16,18 @@ from hf_fedshard.tools.cost import (
     bandwidth_for_speedup,
     llama_parameters,
     main,
+    make_parser,
     paper_setting,
+    peak_speedup,
     ring_hop_bytes,
     ring_hops,
     speedups,
     step_cost,
 )
 from hf_fedshard.tools.models import PRESETS, llama_config
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
+
+from ..launch import REPO
 
 
 def test_ring_hop_bytes_of_each_collective():
@@ -297,37 +299,35 @@ def test_groups_of_unequal_size_send_each_piece_to_its_owner_and_back(sizes, sha
     assert averaging * 4 == pytest.approx(inter_mb * 1e6, rel=1e-9)
 
 
-BENCHMARKS_README = Path(__file__).resolve().parents[2] / "benchmarks" / "README.md"
-
-
-def test_benchmarks_readme_quotes_what_the_cli_prints(capsys):
-    """The three-tier block and its "what would have to be true" paragraph in benchmarks/README.md are the tool's
-    output today: a change to the model that moves a figure must move the quote too."""
+def test_the_output_quoted_in_benchmarks_readme_is_what_the_tool_prints(capsys):
+    """benchmarks/README.md quotes the three-tier part of ``python -m hf_fedshard.tools.cost`` and its "what would
+    have to be true" paragraph: both must be the tool's output now (a figure the model changes changes the quote)."""
     main([])
-    out = capsys.readouterr().out
-    text = BENCHMARKS_README.read_text()
-    quoted = r"Output of `python -m hf_fedshard.tools.cost` \(three-tier part\):\n\n```\n(.*?)\n```"
-    block = re.search(quoted, text, re.S)
-    assert block is not None, "the quoted three-tier output is gone from benchmarks/README.md"
-    assert block.group(1) in out
-    said = r"\*\*(What would have to be true for [\d.]+×)\*\* \(printed by the same command\): (.*)"
-    paragraph = re.search(said, text)
-    assert f"{paragraph.group(1)}: {paragraph.group(2)}" in out
+    printed = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(printed) if line.startswith("Three tiers,"))
+    end = next(i for i, line in enumerate(printed) if line.startswith("What would have to be true"))
+    readme = (REPO / "benchmarks" / "README.md").read_text()
+    quoted = readme.split("Output of `python -m hf_fedshard.tools.cost` (three-tier part):\n\n```\n", 1)[1]
+    assert quoted.split("\n```", 1)[0] == "\n".join(printed[start:end]).rstrip("\n")
+    paragraph = readme.split("**What would have to be true for 8.04×** (printed by the same command): ", 1)[1]
+    assert paragraph.split("\n", 1)[0] == printed[end].split(": ", 1)[1]
 
 
-def test_unreached_headline_names_the_ceiling_below_it(capsys):
-    """At no bandwidth does the two-tier FL+FSDP reach 8.04×: the line says it never does, and why."""
-    main([])
-    out = capsys.readouterr().out
-    assert "The model never reaches 8.04×: its speedup rises towards its ceiling, 7.92×" in out
-    assert "at no bandwidth" not in out
+def test_help_names_the_module_and_gives_every_option_a_help_and_its_default():
+    """``--help`` is what a reader runs first: it must show the command they type and what each option does."""
+    parser = make_parser()
+    assert parser.format_usage().startswith("usage: python -m hf_fedshard.tools.cost ")
+    options = [a for a in parser._actions if a.dest != "help"]
+    assert all(a.help and a.default is not None for a in options), [a.dest for a in options]
+    text = " ".join(parser.format_help().split())
+    assert "(default: 200.0)" in text and "(default: 1600.0)" in text
 
 
-def test_help_names_the_module_and_shows_every_default(capsys):
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    out = capsys.readouterr().out
-    assert out.startswith("usage: python -m hf_fedshard.tools.cost")
-    options = re.findall(r"^  (--[a-z-]+)", out, re.M)
-    assert options == ["--inter-node-gbit", "--mfu", "--sync-steps", "--world-size", "--ranks-per-node", "--cell-gbit"]
-    assert out.count("(default: ") == len(options)
+def test_no_speedup_printed_exceeds_the_limit_it_is_given():
+    """The printed limit of a method that never reaches 8.04× (the ratio of its bytes) bounds the speedup at every
+    bandwidth: the tool once printed a "ceiling" below a figure it reached."""
+    setting = paper_setting()
+    peak, _ = peak_speedup(setting, "FL+FSDP")
+    costs = setting.costs()
+    assert peak <= costs["FSDP"].inter_bytes_per_node / costs["FL+FSDP"].inter_bytes_per_node + 1e-9
+    assert peak < PAPER_HEADLINE_SPEEDUP

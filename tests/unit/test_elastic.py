@@ -6,6 +6,7 @@ tests/distributed/test_elastic.py.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 
@@ -13,6 +14,7 @@ import pytest
 
 from hf_fedshard import FederatedAverager, FedShardTrainingArguments
 from hf_fedshard.engine.communicator import FederationCommunicator, Round
+from hf_fedshard.engine.rounds import HealState
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.card import quorum_rows
 
@@ -77,11 +79,11 @@ def parse(argv: list[str]) -> FedShardTrainingArguments:
 
 class FakeMembership:
     """Rounds on fake communicators: the commits listed in ``fail`` return False (all groups: ``"all"``, or one
-    group, which then heals from group 0's `peer_state` published right after group 0 committed)."""
+    group, which then heals from group 0's committed state, sent right after group 0 committed)."""
 
     def __init__(self, shared: dict, group: int, fail: dict[int, str]) -> None:
         self.shared, self.group, self.fail = shared, group, fail
-        self.averager: FederatedAverager | None = None
+        self.heal = HealState()
         self.commits = self.rounds = 0
 
     def commit(self) -> bool:
@@ -90,15 +92,16 @@ class FakeMembership:
         return who is None or (who != "all" and int(who) != self.group)
 
     def next_round(self) -> Round:
-        """Right after a round: group 0 publishes its state (as torchft sends it while the next quorum forms)."""
+        """Right after a round: group 0 sends its committed state (a copy, as a wire would) while the next quorum
+        forms; the group that lost the round receives it."""
         self.rounds += 1
         who = self.fail.get(self.commits)
         if who not in (None, "all") and self.group == 0:
-            self.shared["peer"] = self.averager.peer_state()
+            self.shared["peer"] = copy.deepcopy(self.heal.committed())
             self.shared["published"].set()
         if who not in (None, "all") and int(who) == self.group:
             assert self.shared["published"].wait(BARRIER_TIMEOUT_S)
-            self.averager.load_peer_state(self.shared["peer"])
+            self.heal.receive(copy.deepcopy(self.shared["peer"]))
             return Round(healed=True, changed=True)
         return Round()
 
@@ -118,7 +121,7 @@ def elastic_run(steps: int, fail: dict[int, str], **options) -> list:
             peers=comm.peers, control=comm.control, exchange=comm.exchange, timeout=comm.timeout, membership=membership
         )
         model, optimizer = build(group)
-        membership.averager = averager = FederatedAverager(model, optimizer, communicator=comm, **options)
+        averager = FederatedAverager(model, optimizer, communicator=comm, **options)
         for step in range(1, steps + 1):
             train_step(model, optimizer, group, step)
             averager.step(last=step == steps)

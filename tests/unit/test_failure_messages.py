@@ -39,3 +39,15 @@ def test_a_silent_peer_is_said_to_have_timed_out():
     )
     world = explained(explain_stalled_collectives(lambda: 3, 20), f"gloo: {TIMED_OUT}")
     assert "a rank stopped answering (no reply within ddp_timeout=20 seconds). Check" in world
+
+
+def test_a_failure_that_is_neither_says_what_failed_first():
+    """A shape mismatch (groups of different models) is no timeout: the message says what failed, then what to
+    check; hf_fedshard's own errors (the check of the groups' steps) pass as they are."""
+    shape = "The expanded size of the tensor (2) must match the existing size (4) at non-singleton dimension 0"
+    message = explained(explain_failures(20, "fed_timeout_s=20"), shape)
+    assert message.startswith(f"hf_fedshard: an exchange across federation groups failed at step 20: {shape} (the")
+    assert "stopped answering" not in message and "fed_timeout_s" not in message
+    own = "hf_fedshard: the groups of the averaging at step 8 are not all at that step"
+    with pytest.raises(RuntimeError, match=f"^{own}$"), explain_failures(8, "fed_timeout_s=20"):
+        raise RuntimeError(own)

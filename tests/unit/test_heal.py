@@ -16,7 +16,7 @@ from hf_fedshard import FederatedAverager
 from hf_fedshard.engine.heal import PeerParts, cut, mend, receiving
 from hf_fedshard.engine.payload import model_state_addresses, model_state_shapes, model_state_tensors
 from hf_fedshard.engine.pieces import Address, GroupShape, PieceExchange
-from hf_fedshard.transports.mesh import FederationLayout
+from hf_fedshard.topology import FederationLayout
 from hf_fedshard.transports.quorum_world import UnequalQuorum
 
 from ..fake_communicator import BARRIER_TIMEOUT_S, run_federation, run_ranks
@@ -137,8 +137,8 @@ def test_a_heal_that_fails_is_raised_on_the_group_behind_and_left_reported_on_a_
     quorum._index, quorum.world_rank, quorum.world_size = int(behind), 2 if behind else 0, 3
     if behind:
         with pytest.raises(RuntimeError, match=r"^hf_fedshard: fed_group1 could not heal from fed_group0 \(") as err:
-            quorum._heal([1], 0, 3)
+            quorum._heal([1], 0, 3, 0)
         assert "Cause: Connection closed by peer" in str(err.value) and "\n" not in str(err.value)
     else:
-        quorum._heal([1], 0, 3)
+        quorum._heal([1], 0, 3, 0)
     assert federation.heals == 0

@@ -37,10 +37,19 @@ def test_the_engine_imports_no_transformers_and_no_other_layer(path):
     names = imported_modules(path)
     assert not {n for n in names if n.split(".")[0] in ("transformers", "accelerate", "datasets", "peft", "trl")}
     ours = {n for n in names if n.startswith("hf_fedshard.")}
-    allowed = {"hf_fedshard.errors", "hf_fedshard.notices"}
-    if path.name == "averager.py":  # FederatedAverager(model, optimizer, mesh): the one-job transport, on demand
-        allowed.add("hf_fedshard.transports.mesh")
+    allowed = {"hf_fedshard.errors", "hf_fedshard.notices"}  # no transport, no topology: a communicator is given
     assert {n for n in ours if not n.startswith("hf_fedshard.engine")} <= allowed
+
+
+def test_every_transport_is_one_module_whose_factory_the_registry_loads():
+    """`hf_fedshard.transports.TRANSPORTS`: each entry's factory imports from its own module (torchft's on use)."""
+    from hf_fedshard.transports import TRAINER_TRANSPORTS, TRANSPORTS
+
+    assert list(TRANSPORTS) == ["mesh", "torchft", "simulated"] and TRAINER_TRANSPORTS == ("mesh", "torchft")
+    for transport in TRANSPORTS.values():
+        module = transport.factory.split(":")[0]
+        assert callable(transport.load()) and module.startswith("hf_fedshard.transports.")
+        assert (PACKAGE / "transports" / f"{module.rsplit('.', 1)[1]}.py").is_file()
 
 
 def test_the_callback_imports_only_the_engine_and_transformers():

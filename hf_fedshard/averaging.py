@@ -1,0 +1,41 @@
+"""`hf_fedshard.FederatedAverager`: the engine's averager (`hf_fedshard.engine.averager`), given the world mesh of
+one job (``FederatedAverager(model, optimizer, mesh)``, the plain loop's form) or any transport's communicator.
+
+It lives above the engine so that the engine imports no transport: the mesh is turned into the one-job transport's
+communicator here (`hf_fedshard.transports.mesh.mesh_communicator`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hf_fedshard.engine.averager import FederatedAverager as EngineAverager
+from hf_fedshard.engine.communicator import FederationCommunicator
+from hf_fedshard.engine.options import AveragingOptions
+from hf_fedshard.topology import FederationLayout
+from hf_fedshard.transports.mesh import mesh_communicator
+
+
+class FederatedAverager(EngineAverager):
+    """`hf_fedshard.engine.averager.FederatedAverager` (its arguments and docs), whose ``communicator`` defaults to
+    the one-job transport over ``mesh`` (`FederationLayout.build_mesh`)."""
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: DeviceMesh | None = None, **options: Any
+    ) -> None:
+        if options.get("communicator") is None and mesh is not None:
+            options["communicator"] = functools.partial(_one_job, mesh)
+        super().__init__(model, optimizer, mesh, **options)
+
+
+def _one_job(mesh: DeviceMesh, options: AveragingOptions) -> FederationCommunicator:
+    """The one-job transport's communicator over ``mesh``, once the engine checked ``options``."""
+    layout = FederationLayout.from_mesh(mesh)
+    return mesh_communicator(
+        layout, mesh, options.timeout_s, overlap=options.sync_overlap > 0, split=options.split_exchange
+    )

@@ -1,0 +1,194 @@
+"""The averaging round of a federation whose groups may leave and join (``fed_transport torchft``, the simulator):
+its states, its invariants, and the committed state a group heals from. It imports no transport.
+
+One rank's round, for one averaging::
+
+    QUORUM ──► EXCHANGE ──► COMMIT ──committed──► APPLY ──► snapshot ──► QUORUM (the next round's)
+       ▲                       │
+       └──────── REDO ◄────────┘ not committed: a new quorum of the groups alive; the local progress is kept
+                                 (or HEAL there, if this group is behind: its round is over)
+
+- QUORUM: the transport forms the quorum of the groups alive (`Membership.next_round`). A group behind the others
+  (it has just started, or lost a round they committed) receives a live group's committed state there (HEAL); the
+  transport hands it to `HealState.receive`, and the round applies it after the quorum formed, never inside it.
+- EXCHANGE: ``attempt()`` runs every collective of the averaging and changes no state.
+- COMMIT: every rank of every group of the quorum votes (`Membership.commit`): committed iff every collective
+  succeeded everywhere.
+- APPLY: ``apply(result)`` changes the state; then every registered part is snapshotted (`HealState.commit`).
+
+Invariants (asserted where they can fail cheaply):
+
+- I1 a group heals only from a state its source committed: `HealState.committed` is the snapshot taken after the
+  last APPLY, never the live state, whatever the source is doing when a joining group asks (training, or redoing
+  a round that did not commit yet).
+- I2 the groups of a committed averaging are at the same step: the control all-reduce of every averaging sums each
+  rank's step and its square (`hf_fedshard.engine.control.agree`), and a round whose groups differ is refused.
+- I3 nothing is applied from a round that did not commit: ``apply`` runs only after `Membership.commit`.
+- I4 after a heal the group is where its source committed: its averaging count, its step (the trainer resumes there
+  and trains up to the round its peers are in) and its global model.
+- I5 norms are published only where every rank of the round holds norms of a quorum of the same size
+  (`hf_fedshard.engine.control.agree`): a resume or a heal never meets stale sums.
+- I6 a launch replaces a dead launch of the same group id; two live launches of one id are refused (the transport
+  counts the claims of the launches that answer, so a dead one is never counted).
+- I7 a launch that starts without healing (afresh, or resumed from a checkpoint) waits at its first quorum for every
+  nominal group, up to the timeout (`join`): groups resumed a few seconds apart average together instead of in
+  separate quorums that would each commit the same averaging on other models.
+- I8 the groups of a quorum hold one global model once it formed: each group keeps a lineage code, chained at every
+  commit from the count and the groups that committed (`next_lineage`); two quorums that committed the same averaging
+  apart (a group redid a round alone while the others redid it together) hold different codes, and when they meet
+  every group not on the lead (`lead`: the highest count, then the code most groups hold) heals from one that is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from hf_fedshard.engine.communicator import Membership, Round
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+NOT_READY = "not_ready"
+LINEAGE_CODES = 1 << 20  # codes below 2^20: their sums and squares over a few thousand groups stay exact in float64
+
+
+def next_lineage(lineage: int, count: int, groups: Sequence[int]) -> int:
+    """The lineage code after a commit that brought the averaging count to ``count`` with ``groups`` (I8): equal on
+    every group of that commit; two quorums that commit one averaging apart differ (but for a 2^-20 collision)."""
+    digest = hashlib.sha256(f"{lineage}:{count}:{sorted(groups)}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % LINEAGE_CODES
+
+
+def lead(members: Sequence[tuple[int, int, int]]) -> tuple[int, int]:
+    """The (count, lineage) every group of a quorum of ``members`` (group id, count, lineage) holds once it formed
+    (I8): the highest averaging count, and among the groups at it the lineage most of them hold (a tie: the one
+    of the lowest group id). A group that does not hold it heals from one that does."""
+    top = max(count for _, count, _ in members)
+    votes = Counter(lineage for _, count, lineage in members if count == top)
+    most = max(votes.values())
+    first = min((group, lineage) for group, count, lineage in members if count == top and votes[lineage] == most)
+    return top, first[1]
+
+
+class Part(Protocol):
+    """A piece of the state a joining group needs (the averager, the trainer's position, the schedule)."""
+
+    def __call__(self) -> Any: ...
+
+
+class HealState:
+    """The parts of a group's state registered by name, snapshotted at every committed averaging (I1).
+
+    Each part registers ``save`` (its state now; called right after an averaging committed, and what it returns must
+    stay valid until the next commit) and ``load`` (takes a source's saved state on a healing group). A part that
+    arrives before its ``load`` is registered (a group healing before its training loop builds the averager) waits
+    in `held` until the loop takes it (`take`).
+    """
+
+    def __init__(self) -> None:
+        self._save: dict[str, Part] = {}
+        self._load: dict[str, Callable[[Any], None]] = {}
+        self._committed: dict[str, Any] | None = None
+        self.held: dict[str, Any] = {}
+
+    def register(self, name: str, save: Part, load: Callable[[Any], None] | None = None) -> None:
+        self._save[name] = save
+        if load is not None:
+            self._load[name] = load
+
+    def commit(self) -> None:
+        """Snapshot every part: the state a group behind heals from until the next commit."""
+        self._committed = {name: save() for name, save in self._save.items()}
+
+    def committed(self) -> dict[str, Any]:
+        """The last snapshot; ``{NOT_READY: True}`` before the first commit (this group is resuming too)."""
+        return {NOT_READY: True} if self._committed is None else self._committed
+
+    def receive(self, parts: dict[str, Any]) -> None:
+        """A source's snapshot arrived: hold it until `apply` (or the training loop's `take`)."""
+        if parts.get(NOT_READY):
+            raise RuntimeError(
+                "hf_fedshard: this group is behind the federation, but the group it would heal from has not "
+                "committed an averaging yet (it is resuming too). Restart this group once the others train."
+            )
+        self.held = dict(parts)
+
+    def apply(self) -> None:
+        """Hand each held part to its ``load`` (a heal between rounds); parts with none stay held."""
+        for name in [n for n in self.held if n in self._load]:
+            self._load[name](self.held.pop(name))
+
+    def take(self, name: str) -> Any | None:
+        return self.held.pop(name, None)
+
+
+def run_round(
+    membership: Membership,
+    heal: HealState,
+    attempt: Callable[[], _T],
+    apply: Callable[[_T], None],
+    new_quorum: Callable[[Round], None],
+    describe: str,
+) -> None:
+    """One averaging through its states (see the module docstring): EXCHANGE, COMMIT, then APPLY and the snapshot;
+    or REDO over the next quorum until it commits, or until this group healed there (its round is then over).
+
+    ``new_quorum`` sees every quorum formed (the averager drops what belonged to the previous one); ``describe``
+    names the averaging in the warning of a redo (``""``: this rank does not log).
+    """
+    while True:
+        result = attempt()  # EXCHANGE
+        if membership.commit():  # COMMIT
+            apply(result)  # APPLY (I3: only here)
+            heal.commit()  # I1: what a joining group will be sent
+            _quorum(membership, heal, new_quorum)  # the next round's, while every group holds the global model
+            return
+        if describe:
+            logger.warning(
+                "hf_fedshard: the averaging %s failed (a group left or a link broke): forming a new quorum and "
+                "averaging again among the groups alive.",
+                describe,
+            )
+        if _quorum(membership, heal, new_quorum).healed:  # REDO; or HEAL: the others committed it without us
+            return
+
+
+def _quorum(membership: Membership, heal: HealState, new_quorum: Callable[[Round], None]) -> Round:
+    """QUORUM: the next quorum, and the heal it brought (applied here, once the transport is done)."""
+    formed = membership.next_round()
+    new_quorum(formed)
+    if formed.healed:
+        heal.apply()
+    return formed
+
+
+def join(
+    ask: Callable[[], Round],
+    present: Callable[[], int],
+    num_groups: int,
+    timeout_s: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> Round:
+    """The first QUORUM of a launch, before training (I7): a launch that healed joins the running federation at
+    once; one that did not asks again every half second until every one of ``num_groups`` is in its quorum, or
+    ``timeout_s`` passed (the others then join when they start, healing from this one)."""
+    joined = ask()
+    deadline = clock() + timeout_s
+    while not joined.healed and present() < num_groups:
+        if clock() > deadline:
+            logger.warning(
+                "hf_fedshard: starting with %d of fed_num_groups=%d groups after %gs (fed_timeout_s); the others "
+                "join when they start.",
+                present(),
+                num_groups,
+                timeout_s,
+            )
+            break
+        sleep(0.5)
+        joined = ask()
+    return joined
