@@ -237,13 +237,26 @@ def plot_curves(history: list[dict], path: Path) -> None:
         axes[row][1].set_xlabel("wall-clock seconds")
         for ax in axes[row]:
             ax.set_ylabel(name)
-            ax.set_yscale("log" if row == 0 else "linear")
+            if row == 0:
+                label_log_axis(ax)
             ax.grid(alpha=0.3)
             if len(lines) > 1:
                 ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def label_log_axis(ax: Any) -> None:
+    """A log y axis whose ticks carry plain numbers at every 1–9 × 10^k: a perplexity that ends inside one decade
+    (say 227–497) would otherwise show no label at all over that range."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_locator(LogLocator(subs=(2, 3, 5)))
+    ax.yaxis.set_minor_formatter(plain)
 
 
 def _perplexity_result(trainer: FedShardTrainer, dataset: str | None) -> EvalResult | None:

@@ -175,3 +175,23 @@ def test_card_sentence_names_the_outer_optimizer_that_ran(tmp_path, world4, fed,
     text = " ".join(card_section(records_of(tmp_path, RESUMED, **fed)).split())  # the template wraps lines
     assert sentence in text
     assert ("FedAvg" in text) == (not fed)
+
+
+def test_a_perplexity_that_ends_inside_one_decade_gets_labelled_ticks_there():
+    """A curve from 33,000 down to the Quickstart's 497.7 → 227.6 spans over two decades, where matplotlib's log
+    axis labels only powers of ten: nothing between 227.6 and 497.7 (checked: an empty list). Labelled: 300."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hf_fedshard.integrations.card import label_log_axis
+
+    fig, ax = plt.subplots()
+    ax.plot(range(7), [33000, 5000, 497.7, 331.1, 261.6, 232.2, 227.6])
+    label_log_axis(ax)
+    fig.canvas.draw()
+    ticks = (*ax.get_yticklabels(), *ax.get_yticklabels(minor=True))
+    shown = [t.get_text() for t in ticks if t.get_text() and 227.6 <= t.get_position()[1] <= 497.7]
+    plt.close(fig)
+    assert shown == ["300"], shown
