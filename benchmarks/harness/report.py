@@ -418,7 +418,11 @@ def plot(results: dict, out: Path) -> list[Path]:
     ax.set_ylabel("eval perplexity")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
-    return [throughput, save_figure(fig, out / "perplexity_vs_time.png")]
+    fig.tight_layout()
+    curves = out / "perplexity_vs_time.png"
+    fig.savefig(curves)
+    plt.close(fig)
+    return [throughput, curves]
 
 
 def write(results: dict, out: Path) -> None:
@@ -453,15 +457,9 @@ def new_axes(figsize: tuple[float, float] = (6, 3.2)):
 
 
 def save_figure(fig, path: Path) -> Path:
-    """Lay ``fig`` out (log axes labelled over whatever range they end in), write it to ``path`` and close it;
-    returns ``path``."""
+    """Lay ``fig`` out, write it to ``path`` and close it; returns ``path``."""
     import matplotlib.pyplot as plt
 
-    from hf_fedshard.tools.plots import label_log_axis
-
-    for ax in fig.axes:
-        if ax.get_yscale() == "log":
-            label_log_axis(ax)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
