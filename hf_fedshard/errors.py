@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch.distributed as dist
+
 T = TypeVar("T")
+
+RANK_0_GRACE_S = 30.0  # how long another rank leaves rank 0 to report the error they both raised before any collective
 
 
 class ConfigError(ValueError):
@@ -15,12 +21,33 @@ class ConfigError(ValueError):
 
 
 def exit_on_config_error(main: Callable[[], T]) -> T:
-    """Run a script's ``main``; a `ConfigError` ends it with exit status 2 and one ``error:`` line, printed by the
-    first rank only (every rank reads the same settings, so every rank refuses alike; the launcher then adds its own
-    summary of the failed ranks)."""
+    """Run a script's ``main``; a `ConfigError` ends it with one ``error:`` line and exit status 2.
+
+    Under a launcher the line is said once: before the process group exists every rank parsed the same command
+    line and raised the same error, so rank 0 says it and the launcher stops the others (see `_leave_to_rank_0`).
+    """
     try:
         return main()
     except ConfigError as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {err}", file=sys.stderr, flush=True)
+        if _rank() != 0 and not (dist.is_available() and dist.is_initialized()):
+            _leave_to_rank_0()
+        print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _leave_to_rank_0() -> None:
+    """Wait for the launcher to stop this rank once rank 0 has failed, and then exit 0 without a word.
+
+    torchrun (and `accelerate launch`, which runs it) lists in its failure report every rank that ended on an
+    error or a signal: a quiet exit 0 on its SIGTERM leaves rank 0's error the only one there. Exiting 2 at once
+    instead races rank 0: the first rank to fail makes torchrun SIGTERM the rest, rank 0 included, possibly before
+    it has printed the line (seen here: rank 2 failed first and rank 0 ended on the signal). Should rank 0 not
+    fail (an error of this rank alone, e.g. a file missing on its node), this rank says its error itself after
+    `RANK_0_GRACE_S`.
+    """
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    time.sleep(RANK_0_GRACE_S)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ..launch import REPO, finish
+from ..launch import REPO, finish, torchrun
 
 RECIPES = REPO / "recipes"
 CONFIGS = REPO / "accelerate_configs"
@@ -188,3 +188,14 @@ def test_bad_input_ends_with_one_clear_line_and_writes_nothing(recipe_errors, na
     assert BAD_INPUT[name][1] in last, result.stderr[-3000:]
     if name == "block_size":
         assert "Lower --block_size" in last
+
+
+def test_a_refused_setting_is_said_once_and_torchrun_reports_one_failure(tmp_path):
+    """4 ranks, --fed_group_size 3: rank 0 says the one line, the others leave quietly on torchrun's SIGTERM, so
+    its report lists rank 0 alone (it listed all four, each after its own copy of the line)."""
+    out = tmp_path / "out"
+    result = torchrun(4, RECIPES / "pretrain_clm.py", ["--fed_group_size", "3", "--output_dir", out], timeout_s=180)
+    assert result.returncode != 0
+    assert result.stdout.count("error: fed_group_size=3 must divide the world size") == 1, result.stdout[-3000:]
+    assert "<NO_OTHER_FAILURES>" in result.stdout and "exitcode  : 2" in result.stdout, result.stdout[-3000:]
+    assert not out.exists()

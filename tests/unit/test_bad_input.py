@@ -27,7 +27,7 @@ from hf_fedshard.checkpointing.checkpoint import (
 )
 from hf_fedshard.checkpointing.manifest import MANIFEST_NAME, checksum_problem, describe_files, list_files, size_problem
 from hf_fedshard.checkpointing.resume import resumable_checkpoint
-from hf_fedshard.errors import ConfigError, exit_on_config_error
+from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.card import divergence_steps
 
 
@@ -342,15 +342,3 @@ def test_trainer_refuses_an_evaluation_without_a_batch(tmp_path, monkeypatch):
     trainer = FedShardTrainer(model=llama(), args=args, eval_dataset=samples)
     with pytest.raises(ConfigError, match=r"^Evaluation dataset has 3 samples, fewer than one batch on every rank"):
         trainer.evaluate()
-
-
-@pytest.mark.parametrize(("rank", "printed"), [("0", "error: fed_sync_steps=0 must be at least 1.\n"), ("3", "")])
-def test_a_refused_setting_is_said_once_by_the_first_rank_and_every_rank_exits_2(monkeypatch, capsys, rank, printed):
-    monkeypatch.setenv("RANK", rank)
-
-    def refuse() -> None:
-        raise ConfigError("fed_sync_steps=0 must be at least 1.")
-
-    with pytest.raises(SystemExit) as ended:
-        exit_on_config_error(refuse)
-    assert ended.value.code == 2 and capsys.readouterr().err == printed
