@@ -36,8 +36,9 @@ def refuse_bad_members(
     what must match; ``differences`` (a collective, called only where they differ) names what does not."""
     if claims > 1:
         raise ConfigError(
-            f"hf_fedshard: two launches claim fed_group_id={group_id}. Give every group its own "
-            f"--fed_group_id in 0..{num_groups - 1}."
+            f"hf_fedshard: two launches claim fed_group_id={group_id} (both answer: a second launch, or a worker that "
+            "outlived its killed torchrun, which starts workers in sessions of their own; a dead launch is not "
+            f"counted). Give every group its own --fed_group_id in 0..{num_groups - 1}, and end stray workers."
         )
     if groups * squares != codes * codes:
         which = f": {differences()}" if differences is not None else f" ({settings})"

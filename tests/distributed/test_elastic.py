@@ -123,7 +123,8 @@ def test_bad_federations_fail_every_rank_in_one_line_within_the_timeout(tmp_path
         "unreachable": (None, [[]], 2, "hf_fedshard: fed_lighthouse=http://localhost:9: nothing answers there "
                         "within 2 s"),
         "below_min": (2, [[]], 1, quorum_lost),
-        "same_id": (2, [[], ["--fed_group_id", "0"]], 1, "two launches claim fed_group_id=0. Give every group its own"),
+        "same_id": (2, [[], ["--fed_group_id", "0"]], 1, "two launches claim fed_group_id=0 (both answer: a second "
+                    "launch, or a worker that outlived its killed torchrun"),
         "settings": (2, [[], ["--fed_outer_optimizer", "nesterov"]], 1,
                      "the groups of the federation were started with different settings: fed_outer_optimizer fedavg in "
                      "fed_group0, nesterov in fed_group1"),
