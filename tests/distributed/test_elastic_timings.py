@@ -7,6 +7,7 @@ averaging count. The same timings, and hundreds more, run in process in tests/un
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import subprocess
 import time
 from pathlib import Path
@@ -22,8 +23,17 @@ from ..launch import Background, finish, kill_tree, lighthouse, start_group
 FAST_SGD = ["--num_samples", "128", "--fed_sync_steps", "4", "--fed_timeout_s", "60", "--record_syncs", "false"]
 
 
-def assert_one_model(out_dir, groups: int, ranks: int) -> None:
-    """Every group's rank r holds the same parameters, and every rank counted the same averagings."""
+def export(out_dir: Path, group: int) -> list[str]:
+    """Where group ``group`` saves its final model (``save_model``), for `assert_one_model`."""
+    return ["--export_dir", str(out_dir / f"model{group}")]
+
+
+def assert_one_model(out_dir: Path, groups: int, ranks: int) -> None:
+    """Every group saved the same weights (sha256 of ``model.safetensors``), every group's rank r holds the same
+    parameters, and every rank counted the same averagings."""
+    digests = {g: hashlib.sha256((out_dir / f"model{g}" / "model.safetensors").read_bytes()).hexdigest()
+               for g in range(groups)}  # fmt: skip
+    assert len(set(digests.values())) == 1, digests
     dumps = [
         [torch.load(out_dir / f"dump{g}" / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
         for g in range(groups)
@@ -49,7 +59,9 @@ def test_a_worker_restarted_by_torchrun_within_seconds_heals_in_phase(tmp_path):
     kill = ["--kill_at_step", "10", "--fault_rank", "0", "--fault_group", "1"]
     with lighthouse(min_groups=2, heartbeat_timeout_s=5.0) as address:
         launches = [
-            start_group(g, 2, 2, tmp_path, [*common, *(kill if g == 1 else [])], address, max_restarts=g)
+            start_group(
+                g, 2, 2, tmp_path, [*common, *export(tmp_path, g), *(kill if g == 1 else [])], address, max_restarts=g
+            )
             for g in range(2)
         ]
         results = [finish(launch, 500) for launch in launches]
@@ -68,13 +80,14 @@ def test_a_group_started_again_while_its_dead_launch_is_known_joins(tmp_path):
     fed_group_id=2: it heals and all three end on one model (issue 30, failure 2)."""
     common = [*FAST_SGD, "--max_steps", "24", "--step_sleep_s", "0.3"]
     with lighthouse(min_groups=3, heartbeat_timeout_s=5.0) as address:
-        survivors = [Background(start_group(g, 3, 1, tmp_path, common, address), 500) for g in range(2)]
+        survivors = [Background(start_group(g, 3, 1, tmp_path, [*common, *export(tmp_path, g)], address), 500)
+                     for g in range(2)]  # fmt: skip
         doomed = start_group(2, 3, 1, tmp_path, [*common, "--stop_at_step", "6", "--fault_rank", "0"], address)
         wait_until_a_worker_stops(doomed, 300)
         kill_tree(doomed)
         assert finish(doomed, 60).returncode != 0
         time.sleep(1.0)
-        again = finish(start_group(2, 3, 1, tmp_path, common, address), 500)
+        again = finish(start_group(2, 3, 1, tmp_path, [*common, *export(tmp_path, 2)], address), 500)
         results = [b.result() for b in survivors]
     for g, result in enumerate([*results, again]):
         assert result.returncode == 0, f"group {g}:\n{result.stdout[-6000:]}"
@@ -115,7 +128,7 @@ def test_a_full_resume_with_groups_started_seconds_apart_averages_together(tmp_p
     with lighthouse(min_groups=1) as address:
         resumed = []
         for g in range(3):
-            resumed.append(Background(start_group(g, 3, 1, tmp_path, common, address), 500))
+            resumed.append(Background(start_group(g, 3, 1, tmp_path, [*common, *export(tmp_path, g)], address), 500))
             time.sleep(5.0 if g < 2 else 0.0)
         results = [b.result() for b in resumed]
     for g, result in enumerate(results):
