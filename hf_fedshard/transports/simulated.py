@@ -18,7 +18,7 @@ import copy
 import itertools
 import random
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,8 +180,6 @@ class FakeLighthouse:
         self.formed: dict[int, Quorum] = {}  # launch id -> the quorum it was given
         self.lost = False
         self._ids = itertools.count(1)
-        self._last: tuple[int, ...] = ()
-        self._quorum_id = 0
 
     def alive(self, launch: Launch) -> bool:
         thread = launch.thread
@@ -212,11 +210,7 @@ class FakeLighthouse:
         if not everyone and self.sim.now - min(t for _, _, t in asking) < self.join_timeout_s:
             return
         members = tuple(sorted((a for a, _, _ in asking), key=lambda a: (a.group, a.id)))
-        ids = tuple(a.id for a in members)
-        if ids != self._last:
-            self._quorum_id += 1
-            self._last = ids
-        quorum = Quorum(self._quorum_id * 1000 + next(self._ids), members, {a.id: c for a, c, _ in asking})
+        quorum = Quorum(next(self._ids), members, {a.id: c for a, c, _ in asking})
         for launch in members:
             self.formed[launch.id] = quorum
             del self.asked[launch.id]
@@ -359,8 +353,3 @@ class SimulatedFederation:
         live = [m for m in quorum.members if m.group == self.launch.group and self.lighthouse.alive(m)]
         if len(live) > 1:
             raise ConfigError(f"hf_fedshard: two launches claim fed_group_id={self.launch.group}.")
-
-
-def launches(lighthouse: FakeLighthouse, group: int) -> Iterator[Launch]:
-    """The launches of ``group`` the lighthouse has seen, oldest first."""
-    return (launch for launch in lighthouse.launches if launch.group == group)
