@@ -151,7 +151,7 @@ class World:
 
         heal.register("trainer", lambda: dict(position), check_step)
         federation.join(0 if checkpoint is None else checkpoint["averager"]["counters"]["syncs"])
-        held, heal.held = heal.held, {}
+        held = heal.take()
         model, optimizer = build(group)
         comm = federation.communicator()
         if held:  # healed before training: resume from the peer's committed state

@@ -45,7 +45,7 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from hf_fedshard.engine.communicator import Membership, Round
 
@@ -74,28 +74,22 @@ def lead(members: Sequence[tuple[int, int, int]]) -> tuple[int, int]:
     return top, first[1]
 
 
-class Part(Protocol):
-    """A piece of the state a joining group needs (the averager, the trainer's position, the schedule)."""
-
-    def __call__(self) -> Any: ...
-
-
 class HealState:
     """The parts of a group's state registered by name, snapshotted at every committed averaging (I1).
 
     Each part registers ``save`` (its state now; called right after an averaging committed, and what it returns must
     stay valid until the next commit) and ``load`` (takes a source's saved state on a healing group). A part that
-    arrives before its ``load`` is registered (a group healing before its training loop builds the averager) waits
-    in `held` until the loop takes it (`take`).
+    arrives before its ``load`` is applied (a group healing before its training loop builds the averager) waits in
+    `held` until the loop takes it (`take`).
     """
 
     def __init__(self) -> None:
-        self._save: dict[str, Part] = {}
+        self._save: dict[str, Callable[[], Any]] = {}
         self._load: dict[str, Callable[[Any], None]] = {}
         self._committed: dict[str, Any] | None = None
         self.held: dict[str, Any] = {}
 
-    def register(self, name: str, save: Part, load: Callable[[Any], None] | None = None) -> None:
+    def register(self, name: str, save: Callable[[], Any], load: Callable[[Any], None] | None = None) -> None:
         self._save[name] = save
         if load is not None:
             self._load[name] = load
@@ -122,8 +116,10 @@ class HealState:
         for name in [n for n in self.held if n in self._load]:
             self._load[name](self.held.pop(name))
 
-    def take(self, name: str) -> Any | None:
-        return self.held.pop(name, None)
+    def take(self) -> dict[str, Any]:
+        """Every held part, now the caller's (the training loop resumes from them before it trains)."""
+        held, self.held = self.held, {}
+        return held
 
 
 def run_round(

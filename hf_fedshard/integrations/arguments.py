@@ -228,9 +228,8 @@ class FedShardArgumentsMixin:
         # Adjust FSDP, use_cpu and token averaging before TrainingArguments reads them.
         self.fed_group_size = parse_group_size(self.fed_group_size)
         self._check_transport()
-        if (
-            self.fed_launch_per_group
-        ):  # every group writes its own checkpoints, logs and exports: no barrier across groups
+        # every group writes its own checkpoints, logs and exports: no barrier across groups
+        if self.fed_launch_per_group:
             self.output_dir = os.path.join(self.output_dir or "trainer_output", f"fed_group{self.fed_group_id}")
         options = self.fed_averaging_options  # checks the averaging settings, one line each
         layout = self.fed_layout  # validates the sizes against WORLD_SIZE before any process group exists

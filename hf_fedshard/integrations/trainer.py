@@ -404,11 +404,10 @@ class FedShardMixin(Trainer):
         syncs = (
             0 if checkpoint is None else read_counters(checkpoint, self._group_index, self.args.process_index)["syncs"]
         )
-        heal = self.fed_federation.heal
         self.fed_federation.join(int(syncs))
-        if not heal.held:
+        self._peer_state = self.fed_federation.heal.take() or None
+        if self._peer_state is None:
             return checkpoint
-        self._peer_state, heal.held = heal.held, {}
         folder = resume_folder(self._peer_state)
         if self.args.should_log:
             logger.warning(
