@@ -25,7 +25,7 @@ from hf_fedshard.checkpointing.checkpoint import model_fingerprint
 from hf_fedshard.engine.heal import PeerParts, cut
 from hf_fedshard.engine.payload import model_state_addresses, model_state_shapes
 from hf_fedshard.engine.rounds import HealState
-from hf_fedshard.transports.elastic import fingerprint
+from hf_fedshard.transports.members import fingerprint
 
 if TYPE_CHECKING:
     from hf_fedshard.integrations.trainer import FedShardMixin

@@ -372,11 +372,6 @@ def advertised_hostname() -> str:
     return os.environ.get("HF_FEDSHARD_HOSTNAME") or socket.gethostname()
 
 
-def fingerprint(**settings: object) -> str:
-    """A text naming the settings every group must share, for the checks when groups meet."""
-    return ";".join(f"{k}={v}" for k, v in sorted(settings.items()))
-
-
 def refuse_silent_lighthouse(address: str, within_s: float = 2.0) -> None:
     """Refuse, in one line and within ``within_s``, a lighthouse address where nothing listens (torchft would retry
     for the whole timeout, then raise a chained traceback). Every rank checks alike, before any collective."""

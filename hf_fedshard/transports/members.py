@@ -48,9 +48,15 @@ def refuse_bad_members(
         )
 
 
+def fingerprint(**settings: object) -> str:
+    """A text naming the settings every group must share (``name=value`` joined by ``;``), for the checks when
+    groups meet; `differing_settings` reads it back."""
+    return ";".join(f"{k}={v}" for k, v in sorted(settings.items()))
+
+
 def differing_settings(fingerprints: dict[str, str]) -> str:
-    """The settings whose values differ among the groups' fingerprints (``name=value`` joined by ``;``, by where
-    they come from), each with every group's value: ``seed 0 in fed_group0, 1 in fed_group1``."""
+    """The settings whose values differ among the groups' `fingerprint` s (by where they come from), each with every
+    group's value: ``seed 0 in fed_group0, 1 in fed_group1``."""
     parsed = {
         g: dict(item.split("=", 1) for item in text.split(";") if "=" in item) for g, text in fingerprints.items()
     }
