@@ -248,7 +248,7 @@ def plot_curves(history: list[dict], path: Path) -> None:
 
 
 def label_log_axis(ax: Any) -> None:
-    """A log y axis whose ticks carry plain numbers at every 1–9 × 10^k: a perplexity that ends inside one decade
+    """A log y axis whose ticks carry plain numbers at 1, 2, 3 and 5 × 10^k: a perplexity that ends inside one decade
     (say 227–497) would otherwise show no label at all over that range."""
     from matplotlib.ticker import FuncFormatter, LogLocator
 
