@@ -19,6 +19,7 @@ import os
 import tempfile
 from typing import TYPE_CHECKING
 
+from transformers import TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 
 from hf_fedshard.checkpointing.checkpoint import model_fingerprint
@@ -54,12 +55,20 @@ def federation_fingerprint(trainer: FedShardMixin) -> str:
 def register_heal_parts(trainer: FedShardMixin, heal: HealState) -> None:
     """The training loop's parts of what a joining group is sent (the averager registers its own): the trainer
     state (global step, data position) and the learning-rate schedule, each as of the last committed averaging."""
-    heal.register("trainer", lambda: dataclasses.asdict(trainer.state), trainer._check_peer_step)
+    heal.register("trainer", lambda: trainer_state_now(trainer.state), trainer._check_peer_step)
     heal.register(
         "scheduler",
         lambda: copy.deepcopy(trainer.lr_scheduler.state_dict()),
         lambda state: trainer.lr_scheduler.load_state_dict(state),
     )
+
+
+def trainer_state_now(state: TrainerState) -> dict:
+    """The trainer state's fields, taken at every committed averaging: a shallow copy, with the log history's list
+    copied (its entries are not changed once logged), instead of `dataclasses.asdict`'s deep copy, which would copy
+    the whole, ever longer, history at every averaging. A heal serializes it when it sends it."""
+    fields = {field.name: getattr(state, field.name) for field in dataclasses.fields(state)}
+    return {**fields, "log_history": list(state.log_history)}
 
 
 def cut_state(trainer: FedShardMixin, state: dict) -> PeerParts:

@@ -7,16 +7,20 @@ tests/distributed/test_elastic.py.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import os
 import threading
 
 import pytest
+from transformers import TrainerState
 
 from hf_fedshard import FederatedAverager, FedShardTrainingArguments
 from hf_fedshard.engine.communicator import FederationCommunicator, Round
 from hf_fedshard.engine.rounds import HealState
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.card import quorum_rows
+from hf_fedshard.integrations.elastic import trainer_state_now
 
 from ..fake_communicator import BARRIER_TIMEOUT_S, run_federation
 from .test_engine import GROUPS, assert_groups_equal_reference, build, reference_for, train_step
@@ -161,3 +165,15 @@ def test_the_card_says_how_many_groups_took_part_and_the_heals():
     rows = dict(quorum_rows(history, 4, history[-1]))
     assert rows["Groups per averaging (fewest–most logged)"] == "2–3 of 4"
     assert rows["Groups healed from a live peer"] == "1"
+
+
+def test_the_trainer_state_taken_at_a_commit_is_asdicts_and_later_steps_do_not_change_it():
+    """What a joining group is sent of the trainer state equals `dataclasses.asdict` at the commit (the JSON its
+    resume folder holds), and steps and logs after the commit leave it as it was."""
+    state = TrainerState(global_step=8, max_steps=24)
+    state.log_history.append({"loss": 1.25, "step": 8})
+    taken = trainer_state_now(state)
+    assert json.dumps(taken, sort_keys=True) == json.dumps(dataclasses.asdict(state), sort_keys=True)
+    state.global_step = 12
+    state.log_history.append({"loss": 0.5, "step": 12})
+    assert taken["global_step"] == 8 and taken["log_history"] == [{"loss": 1.25, "step": 8}]
