@@ -527,10 +527,11 @@ class FedShardMixin(Trainer):
         return {"epoch": epoch, "epoch_samples": samples}
 
     def _save_trainer_state(self, checkpoint: str) -> None:
-        """``trainer_state.json`` with the stateful callbacks, as Trainer writes it (the last file of a checkpoint)."""
+        """``trainer_state.json`` with the stateful callbacks, as Trainer writes it (the last file of a checkpoint).
+        A group healed from a peer holds none yet (`integrations.elastic.resume_folder` leaves the peer's out)."""
         for cb in [cb for cb in [*self.callback_handler.callbacks, self.control] if isinstance(cb, ExportableState)]:
             name, cb_state = cb.__class__.__name__, cb.state()
-            if isinstance(self.state.stateful_callbacks[name], list):
+            if isinstance(self.state.stateful_callbacks.get(name), list):
                 self.state.stateful_callbacks[name].append(cb_state)
             else:
                 self.state.stateful_callbacks[name] = cb_state

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -54,8 +55,9 @@ def test_a_worker_restarted_by_torchrun_within_seconds_heals_in_phase(tmp_path):
     goes on alone however slow the machine). Group 1's rank 0 is SIGKILLed as step 10 begins and torchrun brings the
     group back at once (preloaded: in about 2 s), while group 0's averaging of step 12 fails and waits for a quorum.
     The restarted group heals from the state group 0 committed at step 8 (not from its live state of step 12),
-    trains 9–12 and averages with it; both end on one model with one count (issue 30, failure 1)."""
-    common = [*FAST_SGD, "--max_steps", "24", "--step_sleep_s", "0.2"]
+    trains 9–12 and averages with it; both end on one model with one count (issue 30, failure 1). Both save a
+    checkpoint every 8 steps: the healed group's first one (step 16) is written whole."""
+    common = [*FAST_SGD, "--max_steps", "24", "--step_sleep_s", "0.2", "--save_strategy", "steps", "--save_steps", "8"]
     kill = ["--kill_at_step", "10", "--fault_rank", "0", "--fault_group", "1"]
     with lighthouse(min_groups=2, heartbeat_timeout_s=5.0) as address:
         launches = [
@@ -69,6 +71,9 @@ def test_a_worker_restarted_by_torchrun_within_seconds_heals_in_phase(tmp_path):
         assert result.returncode == 0, f"group {g}:\n{result.stdout[-6000:]}"
     assert "healed from a live group: resuming at step 8 " in results[1].stdout, results[1].stdout[-3000:]
     assert_one_model(tmp_path, 2, 2)
+    for step in (16, 24):
+        state = json.loads((tmp_path / "fed_group1" / f"checkpoint-{step}" / "trainer_state.json").read_text())
+        assert (state["global_step"], set(state["stateful_callbacks"])) == (step, {"TrainerControl"}), state
 
 
 @pytest.mark.timeout(600)
