@@ -1,16 +1,28 @@
-"""Goodput under failures: a group killed every T seconds, torchft's federation of launches against a job restart.
+"""Goodput under failures: a fault every T seconds, torchft's federation of launches against a job restart.
 
-    sudo python -m benchmarks.goodput --quick      # 4 groups × 1 rank, T = 15 and 30 s, 60 s runs, under 10 minutes
-    sudo python -m benchmarks.goodput              # 4 groups × 2 ranks, T = 30, 60 and 120 s, 240 s runs, under 45
-    sudo python -m benchmarks.goodput --quick --groups 2 --run-s 10 --intervals-s 8 --restart-s 2
+    sudo python -m benchmarks.goodput --quick      # 4 groups × 1 rank, T = 30 s, 60 s runs, under 15 minutes
+    sudo python -m benchmarks.goodput              # 4 groups × 2 ranks, T = 120 s, 240 s runs, under 45 minutes
+    sudo python -m benchmarks.goodput --intervals-s 30 60 120 --faults launch     # the failure-rate sweep
+    sudo python -m benchmarks.goodput --quick --groups 2 --run-s 10 --intervals-s 8 --restart-s 2 --faults full
                                                    # the smoke the tests run: 1 fault a run, 4 runs of 10 s
 
 On the emulated cluster (benchmarks/harness/netns.py: a network namespace per group, 100 Mbit/s links between
 them), 4 federation groups train the ``micro`` Llama on Shakespeare (benchmarks/harness/bench_train.py, H = 8,
-``fed_timeout_s`` 30 s). Every T seconds of training one group's whole launch (torchrun and its workers) is
-SIGKILLed, as a lost node (in the middle of each T: at T/2, 3T/2, …, so a run of n·T seconds holds n faults), and
-started again R seconds later with the same command; the victims are groups 1, 2, 3 in turn (group 0's node hosts
-the lighthouse and the job's rendezvous, which this study keeps alive; with ``--groups G``, groups 1 … G-1). Two paths:
+``fed_timeout_s`` 30 s, a checkpoint every K = 16 steps). Every T seconds of training a fault strikes (in the middle
+of each T: at T/2, 3T/2, …, so a run of n·T seconds holds n faults), of one of three kinds (``--faults``):
+
+- ``worker``: one worker process of a group is SIGKILLed, as a crash; the group's torchrun (``--max-restarts``)
+  restarts its workers within a second or two, as in production;
+- ``launch``: a group's whole launch (torchrun and its workers) is SIGKILLed, as a lost node, and started again R
+  seconds later with the same command;
+- ``full``: every launch, and torchft's lighthouse, is SIGKILLed (a lost coordinator, or a job cancelled); the
+  lighthouse is started again R seconds later and the groups one by one, ``--stagger-s`` apart (group g at
+  R + g × stagger), all with ``fed_auto_resume``, as a scheduler requeues a job.
+
+The victims of ``worker`` and ``launch`` are groups 1, 2, 3 in turn (group 0's node hosts the lighthouse and the job's
+rendezvous; with ``--groups G``, groups 1 … G-1). At the end of a run the study writes one step S (past every group's)
+to the launches' stop file; every group stops at its averaging of S and writes the SHA-256 of its shards, so the table
+says whether the groups ended on one model. Two paths:
 
 - ``torchft``: ``--fed_transport torchft``, one torchrun per group, a lighthouse (``--min_groups 1``,
   ``--join_timeout_s 10``, ``--heartbeat_timeout_s 2``) on node 0; the survivors go on averaging among themselves,
@@ -54,6 +66,7 @@ from benchmarks.harness.netns import Cluster, handle_termination
 from benchmarks.harness.study import Study, add_folder_options, new_parser
 
 PATHS = ("torchft", "mesh")
+FAULTS = ("worker", "launch", "full")
 
 
 @dataclass
@@ -62,9 +75,11 @@ class GoodputConfig:
 
     groups: int = 4
     ranks_per_group: int = 2
-    intervals_s: tuple[float, ...] = (30.0, 60.0, 120.0)  # T: a group killed every T seconds of training
-    restart_s: float = 10.0  # R: a killed group's launch is started again R seconds later
-    run_s: float = 240.0  # training wall time of every run (from the first step): 8, 4 and 2 faults
+    intervals_s: tuple[float, ...] = (120.0,)  # T: a fault every T seconds of training
+    faults: tuple[str, ...] = FAULTS
+    restart_s: float = 10.0  # R: a killed launch (``full``: the lighthouse) is started again R seconds later
+    stagger_s: float = 5.0  # ``full``: group g is started g × this after the lighthouse
+    run_s: float = 240.0  # training wall time of every run (from the first step): 2 faults at T = 120 s
     repeats: int = 1  # each fault is a sample of the stall and the return; the 8 runs take ~40 minutes
     sync_steps: int = 8  # H
     save_steps: int = 16  # K: mesh's checkpoints
@@ -76,6 +91,7 @@ class GoodputConfig:
     batch_size: int = 4
     victims: tuple[int, ...] = (1, 2, 3)  # group 0 hosts the lighthouse and the rendezvous
     startup_timeout_s: float = 240.0  # a run whose training has not started by then fails
+    stop_timeout_s: float = 150.0  # the launches still up this long after the stop file are killed
 
     def validate(self) -> None:
         if self.save_steps % self.sync_steps:
@@ -84,6 +100,8 @@ class GoodputConfig:
             raise ValueError(f"victims {self.victims} must be groups 1 … {self.groups - 1}.")
         if not all(self.restart_s < t < self.run_s for t in self.intervals_s):
             raise ValueError(f"every interval must lie between R={self.restart_s} s and the run, {self.run_s} s.")
+        if unknown := set(self.faults) - set(FAULTS):
+            raise ValueError(f"--faults {' '.join(sorted(unknown))}: the kinds are {', '.join(FAULTS)}.")
 
 
 @dataclass
@@ -92,6 +110,7 @@ class Run:
 
     path: str
     interval_s: float | None  # None: the run without failures
+    fault: str | None = None  # one of FAULTS; None: the run without failures
     t0: float = 0.0  # time.time() of the first training step
     startup_s: float = 0.0  # from the launches to the first training step
     faults: list[dict] = field(default_factory=list)
@@ -99,15 +118,18 @@ class Run:
 
 
 def train_args(cfg: GoodputConfig, data: Path, run_dir: Path, log: str) -> list[str]:
-    """bench_train.py's arguments shared by both paths: time-bounded training, a progress log, no evaluation."""
+    """bench_train.py's arguments shared by both paths: training until the stop file says, a progress log, a
+    checkpoint every K steps and ``fed_auto_resume`` (a launch's own folder), no evaluation."""
     return [
         "--data_dir", str(data), "--record_dir", str(run_dir / f"records_{log}"), "--output_dir",
-        str(run_dir / "out"), "--progress_log", str(run_dir / f"{log}.jsonl"), "--model_size", cfg.model_size,
+        str(run_dir / f"out_{log}"), "--progress_log", str(run_dir / f"{log}.jsonl"), "--model_size", cfg.model_size,
         "--per_device_train_batch_size", str(cfg.batch_size), "--max_steps", "100000", "--learning_rate", "2e-3",
         "--lr_scheduler_type", "constant", "--warmup_steps", "0", "--seed", "0", "--eval_strategy", "no",
         "--logging_steps", str(cfg.sync_steps), "--report_to", "none", "--disable_tqdm", "true",
         "--dataloader_drop_last", "true", "--fed_sync_steps", str(cfg.sync_steps),
         "--fed_timeout_s", str(cfg.fed_timeout_s), "--ddp_timeout", str(int(cfg.fed_timeout_s)),
+        "--stop_file", str(run_dir / "stop_at"), "--save_strategy", "steps", "--save_steps", str(cfg.save_steps),
+        "--save_total_limit", "2", "--fed_auto_resume", "true",
     ]  # fmt: skip
 
 
@@ -115,40 +137,85 @@ def launch_commands(cfg: GoodputConfig, path: str, data: Path, run_dir: Path, re
     """One command per group's node: a torchft group of its own, or a node of the one mesh job."""
     if path == "torchft":
         return [faults.torchrun(cfg.ranks_per_group, [*train_args(cfg, data, run_dir, f"group{g}"),
-                "--save_strategy", "no", "--fed_transport", "torchft", "--fed_lighthouse", rendezvous,
-                "--fed_group_id", str(g), "--fed_num_groups", str(cfg.groups)]) for g in range(cfg.groups)]  # fmt: skip
-    args = [*train_args(cfg, data, run_dir, "job"), "--fed_group_size", str(cfg.ranks_per_group), "--save_strategy",
-            "steps", "--save_steps", str(cfg.save_steps), "--save_total_limit", "2",
-            "--fed_auto_resume", "true"]  # fmt: skip
+                "--fed_transport", "torchft", "--fed_lighthouse", rendezvous, "--fed_group_id", str(g),
+                "--fed_num_groups", str(cfg.groups)], max_restarts=100) for g in range(cfg.groups)]  # fmt: skip
+    args = [*train_args(cfg, data, run_dir, "job"), "--fed_group_size", str(cfg.ranks_per_group)]
     return [faults.torchrun(cfg.ranks_per_group, args, rendezvous, g, cfg.groups, max_restarts=100)
             for g in range(cfg.groups)]  # fmt: skip
 
 
-def run_path(cfg: GoodputConfig, hosts: Hosts, path: str, interval_s: float | None, run_dir: Path, data: Path,
-             port: int) -> Run:  # fmt: skip
-    """Start every group, inject the faults for ``run_s`` seconds of training, stop everything; what happened."""
-    run_dir.mkdir(parents=True)
-    run, lighthouse = Run(path, interval_s), None
-    if path == "torchft":
-        lighthouse, rendezvous = faults.start_lighthouse(hosts, 0, run_dir / "lighthouse.log", cfg.join_timeout_s)
-    else:
-        rendezvous = f"{hosts.address(0)}:{port}"
-    commands = launch_commands(cfg, path, data, run_dir, rendezvous)
-    launched = time.time()
-    launches = {g: hosts.start(g, cmd, run_dir / f"node{g}.0.log") for g, cmd in enumerate(commands)}
-    try:
-        run.t0 = wait_for_training(run_dir, launches, cfg.startup_timeout_s)
-        run.startup_s = run.t0 - launched
-        schedule = faults.fault_schedule(cfg.run_s, interval_s, cfg.restart_s, cfg.victims) if interval_s else []
-        for index, fault in enumerate(schedule):
-            inject(run, fault, index, hosts, launches, commands, run_dir)
-        time.sleep(max(0.0, run.t0 + cfg.run_s - time.time()))
-    finally:
-        for proc in [*launches.values(), *([lighthouse] if lighthouse else [])]:
+@dataclass
+class Launches:
+    """The launches of one run: each group's command and process, and torchft's lighthouse (on node 0, at a fixed
+    port, so that a full restart finds it where the groups' commands say)."""
+
+    hosts: Hosts
+    run_dir: Path
+    port: int
+    join_timeout_s: float
+    commands: list[list[str]] = field(default_factory=list)
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    lighthouse: subprocess.Popen | None = None
+    started: int = 0  # numbers the log files
+
+    def start_lighthouse(self) -> str:
+        self.started += 1
+        log = self.run_dir / f"lighthouse.{self.started}.log"
+        self.lighthouse, address = faults.start_lighthouse(self.hosts, 0, log, self.join_timeout_s, port=self.port)
+        return address
+
+    def start(self, group: int) -> None:
+        self.started += 1
+        log = self.run_dir / f"node{group}.{self.started}.log"
+        self.procs[group] = self.hosts.start(group, self.commands[group], log)
+
+    def kill(self, group: int) -> None:
+        kill_tree(self.procs[group])
+
+    def kill_all(self) -> None:
+        for proc in [*self.procs.values(), *([self.lighthouse] if self.lighthouse else [])]:
             if proc.poll() is None:
                 kill_tree(proc)
+
+
+def run_path(cfg: GoodputConfig, hosts: Hosts, path: str, fault: str | None, interval_s: float | None,
+             run_dir: Path, data: Path, port: int) -> Run:  # fmt: skip
+    """Start every group, inject the faults for ``run_s`` seconds of training, stop every group at one step, kill
+    what is left; what happened."""
+    run_dir.mkdir(parents=True)
+    run, launches = Run(path, interval_s, fault), Launches(hosts, run_dir, port, cfg.join_timeout_s)
+    rendezvous = launches.start_lighthouse() if path == "torchft" else f"{hosts.address(0)}:{port}"
+    launches.commands = launch_commands(cfg, path, data, run_dir, rendezvous)
+    launched = time.time()
+    for group in range(cfg.groups):
+        launches.start(group)
+    try:
+        run.t0 = wait_for_training(run_dir, launches.procs, cfg.startup_timeout_s)
+        run.startup_s = run.t0 - launched
+        schedule = faults.fault_schedule(cfg.run_s, interval_s, cfg.restart_s, cfg.victims) if interval_s else []
+        for fault_at in schedule:
+            inject(run, fault_at, launches, cfg)
+        time.sleep(max(0.0, run.t0 + cfg.run_s - time.time()))
+        stop_at_one_step(run_dir, launches.procs, cfg)
+    finally:
+        launches.kill_all()
     run.events = {p.stem: progress.read(p) for p in sorted(run_dir.glob("*.jsonl"))}
     return run
+
+
+def stop_at_one_step(run_dir: Path, procs: dict[int, subprocess.Popen], cfg: GoodputConfig) -> int:
+    """Ask every group to stop at one averaging step, two past the furthest any group has logged (so past every
+    rank's), and wait for the launches to end; the step."""
+    logged = [e["step"] for p in run_dir.glob("*.jsonl") for e in progress.read(p) if e["event"] in ("begin", "sync")]
+    stop = (max(logged, default=0) // cfg.sync_steps + 2) * cfg.sync_steps
+    (run_dir / "stop_at.tmp").write_text(str(stop))
+    (run_dir / "stop_at.tmp").rename(run_dir / "stop_at")  # whole or absent for the ranks that read it
+    deadline = time.time() + cfg.stop_timeout_s
+    while any(p.poll() is None for p in procs.values()) and time.time() < deadline:
+        time.sleep(0.5)
+    print(f"    stopped at step {stop}; launches still up after {cfg.stop_timeout_s:g} s: "
+          f"{[g for g, p in procs.items() if p.poll() is None] or 'none'}", flush=True)  # fmt: skip
+    return stop
 
 
 def wait_for_training(run_dir: Path, launches: dict, timeout_s: float) -> float:
@@ -162,19 +229,30 @@ def wait_for_training(run_dir: Path, launches: dict, timeout_s: float) -> float:
     return min(begins)
 
 
-def inject(run: Run, fault: Fault, index: int, hosts: Hosts, launches: dict, commands: list, run_dir: Path) -> None:
-    """Kill ``fault.group``'s launch at its time and start it again at its restart time (recorded as done)."""
+def inject(run: Run, fault: Fault, launches: Launches, cfg: GoodputConfig) -> None:
+    """The fault of ``run.fault`` at ``fault.kill_s``, and the restarts that follow it (recorded as done). A full
+    restart's group is -1 (every group); a worker's restart is its torchrun's, at once."""
     time.sleep(max(0.0, run.t0 + fault.kill_s - time.time()))
-    killed_at = time.time()
-    kill_tree(launches[fault.group])
-    time.sleep(max(0.0, run.t0 + fault.restart_s - time.time()))
-    restarted_at = time.time()
-    launches[fault.group] = hosts.start(
-        fault.group, commands[fault.group], run_dir / f"node{fault.group}.{index + 1}.log"
-    )
-    run.faults.append({"group": fault.group, "kill_s": killed_at - run.t0, "restart_s": restarted_at - run.t0})
-    print(f"    {run.path}: group {fault.group} killed at {killed_at - run.t0:.0f} s, restarted at "
-          f"{restarted_at - run.t0:.0f} s", flush=True)  # fmt: skip
+    killed_at, group = time.time(), fault.group
+    if run.fault == "worker":
+        faults.kill_worker(launches.procs[group])
+    elif run.fault == "launch":
+        launches.kill(group)
+        time.sleep(max(0.0, run.t0 + fault.restart_s - time.time()))
+        launches.start(group)
+    else:
+        group = -1
+        launches.kill_all()
+        time.sleep(max(0.0, run.t0 + fault.restart_s - time.time()))
+        if run.path == "torchft":
+            launches.start_lighthouse()
+        for g in range(cfg.groups):
+            time.sleep(max(0.0, run.t0 + fault.restart_s + g * cfg.stagger_s - time.time()))
+            launches.start(g)
+    restarted_at = killed_at if run.fault == "worker" else run.t0 + fault.restart_s
+    run.faults.append({"group": group, "kill_s": killed_at - run.t0, "restart_s": restarted_at - run.t0})
+    print(f"    {run.path}: {run.fault} fault ({'every group' if group < 0 else f'group {group}'}) at "
+          f"{killed_at - run.t0:.0f} s, restarted at {restarted_at - run.t0:.0f} s", flush=True)  # fmt: skip
 
 
 # ---- figures (pure functions of the runs) ----
@@ -182,15 +260,17 @@ def inject(run: Run, fault: Fault, index: int, hosts: Hosts, launches: dict, com
 
 def committed_torchft(logs: dict[str, list[dict]], end: float) -> int:
     """Group-steps committed by ``end``: each group's steps since its previous averaging (or its start or heal),
-    counted when it completes the next averaging."""
+    counted when it completes the next averaging; a group that begins again behind its last averaging (resumed
+    from an older checkpoint after a full restart) loses the steps between the two."""
     total = 0
     for events in logs.values():
-        base = None
+        base = last = None
         for e in (e for e in events if e["t"] <= end):
             if e["event"] == "begin":
                 base = e["step"]
+                total -= max(0, (last or 0) - base)
             elif e["event"] == "sync" and base is not None:
-                total, base = total + e["step"] - base, e["step"]
+                total, base, last = total + e["step"] - base, e["step"], e["step"]
     return total
 
 
@@ -242,14 +322,33 @@ def fault_figures(run: Run, cfg: GoodputConfig) -> list[dict]:
     for index, fault in enumerate(run.faults):
         kill, restart = run.t0 + fault["kill_s"], run.t0 + fault["restart_s"]
         stop = run.t0 + run.faults[index + 1]["kill_s"] if index + 1 < len(run.faults) else end
-        log = f"group{fault['group']}" if run.path == "torchft" else "job"
-        rejoined = [t for t in sync_times(run.events.get(log, [])) if t > restart]
-        back[index] = rejoined[0] if rejoined else None
+        back[index] = back_at(run, fault["group"], restart)
         figures.append({"group": fault["group"], "kill_t": kill, "restart_t": restart, "stop_t": stop,
                         "back_s": back[index] - restart if back[index] else None})  # fmt: skip
     for index, figure in enumerate(figures):
         figure["stall_s"], figure["survivors_interval_s"] = survivors_stall(run, figures, index)
     return figures
+
+
+def back_at(run: Run, group: int, restart: float) -> float | None:
+    """When the restarted group (-1: the last of every group; mesh: the job) first averaged after ``restart``."""
+    if run.path == "mesh":
+        logs = ["job"]
+    else:
+        logs = [f"group{g}" for g in range(len(run.events))] if group < 0 else [f"group{group}"]
+    firsts = [next((t for t in sync_times(run.events.get(log, [])) if t > restart), None) for log in logs]
+    return None if None in firsts else max(firsts)
+
+
+def ended_models(run: Run, ranks_per_group: int) -> dict[int, tuple[str, ...]]:
+    """Each group whose every rank wrote its ``end`` event: the SHA-256s of its shards, by position in the group."""
+    shas: dict[int, dict[int, str]] = {}
+    for log, events in run.events.items():
+        for e in (e for e in events if e["event"] == "end"):
+            in_job = not log.startswith("group")  # mesh: one job, global ranks
+            group, position = divmod(e["rank"], ranks_per_group) if in_job else (int(log[5:]), e["rank"])
+            shas.setdefault(group, {})[position] = e["sha256"]
+    return {g: tuple(by[p] for p in range(ranks_per_group)) for g, by in shas.items() if len(by) == ranks_per_group}
 
 
 def survivors_stall(run: Run, figures: list[dict], index: int) -> tuple[float | None, float | None]:
@@ -261,7 +360,7 @@ def survivors_stall(run: Run, figures: list[dict], index: int) -> tuple[float | 
         return longest_gap(sync_times(run.events.get("job", [])), figure["kill_t"], figure["stop_t"]), None
     down = {f["group"] for f in figures if f["kill_t"] < figure["stop_t"] and (f["restart_t"] + (f["back_s"] or 1e9))
             > figure["kill_t"]}  # fmt: skip
-    survivors = [sync_times(events) for log, events in run.events.items() if int(log[5:]) not in down]
+    survivors = [sync_times(events) for log, events in run.events.items() if not {int(log[5:]), -1} & down]
     gaps = [g for times in survivors if (g := longest_gap(times, figure["kill_t"], figure["stop_t"])) is not None]
     outage_end = figure["restart_t"] + figure["back_s"] if figure["back_s"] is not None else figure["stop_t"]
     kill = figure["kill_t"]
@@ -287,7 +386,9 @@ def summarize_repetition(runs: list[Run], cfg: GoodputConfig) -> dict:
     for run in runs:
         figures = fault_figures(run, cfg)
         done = committed(run, cfg)
-        out.append({"path": run.path, "interval_s": run.interval_s, "group_steps": done,
+        models = ended_models(run, cfg.ranks_per_group)
+        out.append({"path": run.path, "fault": run.fault, "interval_s": run.interval_s, "group_steps": done,
+                    "groups_ended": sorted(models), "models_at_end": len(set(models.values())),
                     "goodput": done / baseline[run.path] if baseline.get(run.path) else None, "faults": figures,
                     "averaging_interval_s": averaging_interval_s(run), "startup_s": run.startup_s,
                     "max_stall_s": max((f["stall_s"] for f in figures if f["stall_s"] is not None), default=None),
@@ -297,55 +398,81 @@ def summarize_repetition(runs: list[Run], cfg: GoodputConfig) -> dict:
 
 
 def combine(reps: list[dict], cfg: GoodputConfig) -> list[dict]:
-    """Per path and interval: median (min–max) over repetitions of each figure."""
+    """Per path, fault kind and interval: median (min–max) over repetitions of each figure."""
     rows = []
-    for interval in (None, *cfg.intervals_s):
+    for fault, interval in [(None, None), *itertools.product(cfg.faults, cfg.intervals_s)]:
         for path in PATHS:
-            runs = [r for rep in reps for r in rep["runs"] if r["path"] == path and r["interval_s"] == interval]
-            row = {
-                "path": path,
-                "interval_s": interval,
-                "faults_per_run": report.spread([len(r["faults"]) for r in runs]),
-            }
-            for key in (
-                "goodput",
-                "group_steps",
-                "max_stall_s",
-                "averaging_interval_s",
-                "survivors_interval_s",
-                "startup_s",
-            ):
+            runs = [r for rep in reps for r in rep["runs"] if (r["path"], r["fault"], r["interval_s"]) ==
+                    (path, fault, interval)]  # fmt: skip
+            row = {"path": path, "fault": fault, "interval_s": interval,
+                   "faults_per_run": report.spread([len(r["faults"]) for r in runs]),
+                   "ended": [len(r["groups_ended"]) for r in runs],
+                   "models": [r["models_at_end"] for r in runs]}  # fmt: skip
+            for key in ("goodput", "group_steps", "max_stall_s", "averaging_interval_s", "survivors_interval_s",
+                        "startup_s"):  # fmt: skip
                 values = [r[key] for r in runs if r[key] is not None]
                 row[key] = report.spread(values) if values else None
             backs = [b for r in runs for b in r["back_s"]]
-            row["back_s"] = (
-                report.spread([b for b in backs if b is not None]) if any(b is not None for b in backs) else None
-            )
-            row["never_back"] = sum(b is None for b in backs)
+            known = [b for b in backs if b is not None]
+            row["back_s"], row["never_back"] = (report.spread(known) if known else None), len(backs) - len(known)
             rows.append(row)
     return rows
 
 
+def ended_identical(row: dict, groups: int) -> bool:
+    """Every run of the row ended with all its groups on one model."""
+    return all(n == groups and m == 1 for n, m in zip(row["ended"], row["models"], strict=True))
+
+
 def targets(rows: list[dict], cfg: GoodputConfig) -> list[dict]:
-    """The issue's targets for torchft, each on the medians: stall ≤ fed_timeout_s + one averaging interval, back in
-    the quorum within its start-up + one averaging interval (both from the run without failures)."""
+    """The targets for torchft, each on the medians: goodput ≥ 90% at a fault every 120 s, every run ending with its
+    groups on one model; a survivor's stall ≤ fed_timeout_s + one averaging interval, and a restarted group back
+    within its start-up + one averaging interval (both from the run without failures; a full restart's last group
+    starts (G - 1) × the stagger later)."""
     base = next(r for r in rows if r["path"] == "torchft" and r["interval_s"] is None)
     interval = base["averaging_interval_s"]["median"] if base["averaging_interval_s"] else 0.0
     startup = base["startup_s"]["median"] if base["startup_s"] else 0.0
     out = []
     for row in rows:
-        if row["path"] != "torchft" or row["interval_s"] is None:
+        if row["path"] != "torchft":
             continue
-        t = row["interval_s"]
-        for name, value, bound in (
-            (f"T = {t:g} s: survivors' longest stall ≤ fed_timeout_s + one averaging ({cfg.fed_timeout_s:g} + "
-             f"{interval:.1f} s)", row["max_stall_s"], cfg.fed_timeout_s + interval),
-            (f"T = {t:g} s: restarted group back ≤ start-up + one averaging ({startup:.1f} + {interval:.1f} s)",
-             row["back_s"], startup + interval),
-        ):  # fmt: skip
+        what = "no faults" if row["fault"] is None else f"{row['fault']} faults every {row['interval_s']:g} s"
+        out.append({"target": f"{what}: every group ended on one model", "measured": None,
+                    "met": ended_identical(row, cfg.groups)})  # fmt: skip
+        if row["fault"] is None:
+            continue
+        checks = [(f"{what}: goodput ≥ 90%", row["goodput"], 0.9, 100.0, "%")] if row["interval_s"] >= 120 else []
+        stagger = (cfg.groups - 1) * cfg.stagger_s if row["fault"] == "full" else 0.0  # the last group's delay
+        late = (" + the stagger", f" + {stagger:g}") if stagger else ("", "")
+        checks.append((f"{what}: restarted group back ≤ start-up + one averaging{late[0]} ({startup:.1f} + "
+                       f"{interval:.1f}{late[1]} s)", row["back_s"], -(startup + interval + stagger), 1.0,
+                       " s"))  # fmt: skip
+        if row["fault"] != "full":
+            checks.append((f"{what}: survivors' longest stall ≤ fed_timeout_s + one averaging "
+                           f"({cfg.fed_timeout_s:g} + {interval:.1f} s)", row["max_stall_s"],
+                           -(cfg.fed_timeout_s + interval), 1.0, " s"))  # fmt: skip
+        for name, value, bound, scale, unit in checks:  # a negative bound is an upper one
             measured = value["median"] if value else None
-            out.append({"target": name, "measured": measured, "met": measured is not None and measured <= bound})
+            met = measured is not None and (measured >= bound if bound > 0 else measured <= -bound)
+            out.append({"target": name, "measured": measured, "met": met, "scale": scale, "unit": unit})
     return out
+
+
+def fault_label(fault: str | None, cfg: dict) -> str:
+    """What the fault was, in a table cell."""
+    back = f"back after {cfg['restart_s']:g} s"
+    labels = {None: "none", "worker": "a worker killed (torchrun restarts it)",
+              "launch": f"a group's launch killed, {back}",
+              "full": f"every launch killed, {back}, {cfg['stagger_s']:g} s apart"}  # fmt: skip
+    return labels[fault]
+
+
+def identical_cell(row: dict, groups: int) -> str:
+    """'yes' when every run ended with all groups on one model; otherwise what happened, per run."""
+    if ended_identical(row, groups):
+        return "yes"
+    return "**no**: " + "; ".join(f"{n} of {groups} ended, {m} model(s)" for n, m in zip(row["ended"], row["models"],
+                                                                                          strict=True))  # fmt: skip
 
 
 def markdown(results: dict) -> str:
@@ -355,34 +482,38 @@ def markdown(results: dict) -> str:
         where = f"the emulated cluster ({cfg['groups']} network namespaces, {cfg['rate_mbit']:g} Mbit/s between groups)"
     lines = [
         f"{cfg['groups']} groups × {cfg['ranks_per_group']} ranks on {where}, Llama `{cfg['model_size']}`, H = "
-        f"{cfg['sync_steps']}, fed_timeout_s {cfg['fed_timeout_s']:g} s; each run trains {cfg['run_s']:g} s "
-        f"(from its first step); a group ({', '.join(map(str, cfg['victims']))} in turn) is SIGKILLed every T s "
-        f"and restarted R = {cfg['restart_s']:g} s later. torchft: a launch per group, a lighthouse (join timeout "
-        f"{cfg['join_timeout_s']:g} s); mesh: one job, torchrun "
-        f"--max-restarts + fed_auto_resume, a checkpoint every K = {cfg['save_steps']} steps. Goodput: group-steps "
-        "committed to the global model ÷ those of the same path without failures in the same time (all groups share "
-        "2 cores: a killed group frees CPU for the others, so throughput would flatter the survivors). Median "
-        f"(min–max) over {results['repeats']} repetition(s).",
+        f"{cfg['sync_steps']}, fed_timeout_s {cfg['fed_timeout_s']:g} s, a checkpoint every K = {cfg['save_steps']} "
+        f"steps and fed_auto_resume on both paths; each run trains {cfg['run_s']:g} s (from its first step), with a "
+        "fault every T s: a worker SIGKILLed (its torchrun restarts the group's workers), a group's whole launch "
+        f"SIGKILLed and started again R = {cfg['restart_s']:g} s later (groups {', '.join(map(str, cfg['victims']))} "
+        f"in turn), or every launch and the lighthouse SIGKILLed and started again R s later, {cfg['stagger_s']:g} s "
+        f"apart. torchft: a launch per group, a lighthouse (join timeout {cfg['join_timeout_s']:g} s); mesh: one job, "
+        "torchrun --max-restarts. Goodput: group-steps committed to the global model ÷ those of the same path without "
+        "failures in the same time (all groups share 2 cores: a killed group frees CPU for the others, so throughput "
+        "would flatter the survivors). Groups ended identical: at the end every group is asked to stop at one "
+        "averaging step, and the SHA-256 of every rank's shards is compared with the same rank's of the other groups. "
+        f"Median (min–max) over {results['repeats']} repetition(s).",
         "",
-        "| path | failure every | faults per run | group-steps | goodput | survivors' longest stall (s) | restarted "
-        "group back after (s) | averaging interval (s) | survivors' averaging interval, a group down (s) | "
-        "start-up (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| path | fault | every | faults per run | group-steps | goodput | groups ended identical | survivors' longest "
+        "stall (s) | restarted group back after (s) | averaging interval (s) | survivors' averaging interval, a group "
+        "down (s) | start-up (s) |",
+        "|---|---|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|",
     ]
     for row in results["rows"]:
         never = f" ({row['never_back']} never back)" if row["never_back"] else ""
         cells = [
-            row["path"], "never" if row["interval_s"] is None else f"{row['interval_s']:g} s",
+            row["path"], fault_label(row["fault"], cfg),
+            "—" if row["interval_s"] is None else f"{row['interval_s']:g} s",
             report.median_range(row["faults_per_run"], ".0f"), report.median_range(row["group_steps"], ".0f"),
             report.median_range(row["goodput"], ".0f", 100) + "%" if row["goodput"] else "—",
-            report.median_range(row["max_stall_s"], ".1f"), report.median_range(row["back_s"], ".1f") + never,
-            report.median_range(row["averaging_interval_s"], ".2f"),
+            identical_cell(row, cfg["groups"]), report.median_range(row["max_stall_s"], ".1f"),
+            report.median_range(row["back_s"], ".1f") + never, report.median_range(row["averaging_interval_s"], ".2f"),
             report.median_range(row["survivors_interval_s"], ".2f"), report.median_range(row["startup_s"], ".1f"),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| target (torchft, on the medians) | measured (s) | met |", "|---|---:|:---:|"]
+    lines += ["", "| target (torchft, on the medians) | measured | met |", "|---|---:|:---:|"]
     for t in results["targets"]:
-        measured = "—" if t["measured"] is None else f"{t['measured']:.1f}"
+        measured = "—" if t["measured"] is None else f"{t['measured'] * t['scale']:.1f}{t['unit']}"
         lines.append(f"| {t['target']} | {measured} | {'yes' if t['met'] else '**no**'} |")
     load = results["machine"]
     lines += ["", f"Machine: {load['cpus']} CPUs; 1-minute load average before each run (after the previous one's "
@@ -393,15 +524,19 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, out: Path) -> Path:
+    """Goodput per fault kind and interval, the two paths side by side, min–max as error bars."""
     fig, ax = report.new_axes()
-    for path, marker in zip(PATHS, "os", strict=True):
-        rows = [r for r in results["rows"] if r["path"] == path and r["interval_s"] and r["goodput"]]
-        xs = [r["interval_s"] for r in rows]
-        mid = [100 * r["goodput"]["median"] for r in rows]
-        err = [[100 * (r["goodput"]["median"] - r["goodput"]["min"]) for r in rows],
-               [100 * (r["goodput"]["max"] - r["goodput"]["median"]) for r in rows]]  # fmt: skip
-        ax.errorbar(xs, mid, yerr=err, marker=marker, capsize=3, label=path)
-    ax.set_xlabel("failure interval T (s)")
+    cases = [(r["fault"], r["interval_s"]) for r in results["rows"] if r["path"] == PATHS[0] and r["fault"]]
+    width = 0.8 / len(PATHS)
+    for offset, path in enumerate(PATHS):
+        rows = {(r["fault"], r["interval_s"]): r for r in results["rows"] if r["path"] == path and r["fault"]}
+        goodput = [rows[c]["goodput"] or {"median": 0.0, "min": 0.0, "max": 0.0} for c in cases]
+        xs = [i + (offset - (len(PATHS) - 1) / 2) * width for i in range(len(cases))]
+        mid = [100 * g["median"] for g in goodput]
+        err = [[100 * (g["median"] - g["min"]) for g in goodput], [100 * (g["max"] - g["median"]) for g in goodput]]
+        ax.bar(xs, mid, width, yerr=err, capsize=3, label=path)
+    ax.set_xticks(range(len(cases)), [f"{fault}\nevery {t:g} s" for fault, t in cases])
+    ax.axhline(90, color="grey", linestyle=":", linewidth=1)
     ax.set_ylabel("goodput (% of group-steps)")
     ax.set_ylim(0, 110)
     ax.legend()
@@ -420,10 +555,12 @@ def other_jobs() -> str:
 
 def make_parser() -> argparse.ArgumentParser:
     p = new_parser(__doc__)
-    p.add_argument("--quick", action="store_true", help="4 groups × 1 rank, T = 15 and 30 s, 60 s runs, R = 5 s, once.")
-    p.add_argument("--intervals-s", type=float, nargs="+", help="Failure intervals T (default 30 60 120; quick 15 30).")
+    p.add_argument("--quick", action="store_true", help="4 groups × 1 rank, T = 30 s, 60 s runs, R = 5 s, once.")
+    p.add_argument("--intervals-s", type=float, nargs="+", help="Failure intervals T (default 120; quick 30).")
+    p.add_argument("--faults", nargs="+", choices=FAULTS, help="Fault kinds (default: all three).")
     p.add_argument("--run-s", type=float, help="Training seconds per run (default 240; quick 60).")
-    p.add_argument("--restart-s", type=float, help="Seconds a killed group stays down (default 10; quick 5).")
+    p.add_argument("--restart-s", type=float, help="Seconds a killed launch stays down (default 10; quick 5).")
+    p.add_argument("--stagger-s", type=float, help="A full restart's groups start this far apart (default 5).")
     p.add_argument("--repeats", type=int, help="Repetitions (default 1; quick 1).")
     p.add_argument("--ranks-per-group", type=int, help="Ranks per group (default 2; quick 1).")
     p.add_argument("--groups", type=int, help="Federation groups (default 4); the victims are groups 1 … G-1 in turn.")
@@ -433,9 +570,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> GoodputConfig:
-    quick = {"intervals_s": (15.0, 30.0), "run_s": 60.0, "restart_s": 5.0, "repeats": 1, "ranks_per_group": 1}
+    quick = {"intervals_s": (30.0,), "run_s": 60.0, "restart_s": 5.0, "repeats": 1, "ranks_per_group": 1}
     cfg = GoodputConfig(**(quick if args.quick else {}))
     given = {"intervals_s": tuple(args.intervals_s) if args.intervals_s else None, "run_s": args.run_s,
+             "faults": tuple(args.faults) if args.faults else None, "stagger_s": args.stagger_s,
              "restart_s": args.restart_s, "repeats": args.repeats, "ranks_per_group": args.ranks_per_group,
              "groups": args.groups, "victims": tuple(range(1, args.groups)) if args.groups else None}  # fmt: skip
     cfg = GoodputConfig(**{**asdict(cfg), **{k: v for k, v in given.items() if v is not None}})
@@ -444,15 +582,16 @@ def config_from_args(args: argparse.Namespace) -> GoodputConfig:
 
 
 def repetition(cfg: GoodputConfig, hosts: Hosts, data: Path, work: Path, loads: list[float]) -> list[Run]:
-    """The runs without failures, then each interval, each path in turn (a drift in load hits both alike)."""
+    """The runs without failures, then each fault kind and interval, each path in turn (a drift in load hits both
+    alike)."""
     runs = []
-    for interval in (None, *cfg.intervals_s):
+    for fault, interval in [(None, None), *itertools.product(cfg.faults, cfg.intervals_s)]:
         for path in PATHS:
             loads.append(os.getloadavg()[0])
-            label = "no failures" if interval is None else f"a failure every {interval:g} s"
+            label = "no failures" if fault is None else f"a {fault} fault every {interval:g} s"
             print(f"  {path}, {label}", flush=True)
-            run_dir = work / f"{path}_{'none' if interval is None else f'{interval:g}s'}"
-            runs.append(run_path(cfg, hosts, path, interval, run_dir, data, 29400 + len(loads)))
+            run_dir = work / f"{path}_{'none' if fault is None else f'{fault}_{interval:g}s'}"
+            runs.append(run_path(cfg, hosts, path, fault, interval, run_dir, data, 29400 + len(loads)))
     return runs
 
 

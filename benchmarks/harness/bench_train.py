@@ -75,6 +75,11 @@ class BenchArguments:
         metadata={"help": "Append this launch's begin, averaging, checkpoint and end events to this file as they "
                   "happen (harness/progress.py), for the studies that kill launches mid-run."},
     )  # fmt: skip
+    stop_file: str = field(
+        default="",
+        metadata={"help": "With --progress_log: stop at the first averaging step at or past the step this file holds "
+                  "once it exists (the fault studies end every group of a run at one step)."},
+    )  # fmt: skip
 
 
 def uplink_bytes() -> dict[str, int]:
@@ -275,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer.add_callback(recorder)
     if bench.progress_log:  # last: its averaging events follow the averaging
         fed_metrics = trainer.fed_callback.metrics if trainer.fed_callback is not None else dict
-        trainer.add_callback(ProgressLog(bench.progress_log, args.fed_sync_steps, fed_metrics))
+        trainer.add_callback(ProgressLog(bench.progress_log, args.fed_sync_steps, fed_metrics, bench.stop_file))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # as the recipes do: Trainer ignores the field
     fed = trainer.fed_callback.metrics() if trainer.fed_callback is not None and not bench.no_averaging else {}
     record = {

@@ -4,8 +4,8 @@
   (`ClusterNodes`, one node per group, each with a host name of its own for torchft's managers);
 - `torchrun` is the command of one launch (one group under ``fed_transport torchft``, one node of the job under
   ``mesh``), `start_lighthouse` the torchft Lighthouse's;
-- `kill_tree` is the fault: SIGKILL to the launch's torchrun and every process below it (`descendants`), as a lost
-  node;
+- `kill_tree` is the fault of a lost node: SIGKILL to the launch's torchrun and every process below it
+  (`descendants`); `kill_worker` that of a crashed process: SIGKILL to one worker, which its torchrun restarts;
 - `fault_schedule` says when: one group killed every ``interval_s`` seconds, restarted ``restart_s`` later.
 """
 
@@ -82,10 +82,10 @@ def torchrun(nproc: int, args: Sequence[str], rendezvous: str | None = None, nod
 
 
 def start_lighthouse(hosts: Hosts, node: int, log: Path, join_timeout_s: float = 10.0,
-                     heartbeat_timeout_s: float = 2.0) -> tuple[subprocess.Popen, str]:  # fmt: skip
-    """A Lighthouse on ``node``, on a free port (min_groups 1: the federation goes on with the groups alive); returns
-    it and its ``--fed_lighthouse`` value, once it listens."""
-    argv = [sys.executable, "-m", "hf_fedshard.lighthouse", "--port", "0", "--min_groups", "1",
+                     heartbeat_timeout_s: float = 2.0, port: int = 0) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """A Lighthouse on ``node``, on ``port`` (0: a free one; min_groups 1: the federation goes on with the groups
+    alive); returns it and its ``--fed_lighthouse`` value, once it listens."""
+    argv = [sys.executable, "-m", "hf_fedshard.lighthouse", "--port", str(port), "--min_groups", "1",
             "--join_timeout_s", str(join_timeout_s), "--heartbeat_timeout_s", str(heartbeat_timeout_s)]  # fmt: skip
     # Its quorum log (stderr) goes to a file of its own: unbuffered, it could land inside the address line.
     stderr_to = ["sh", "-c", 'exec "$@" 2>>"$0"', str(log.with_suffix(".stderr.log"))]
@@ -96,8 +96,8 @@ def start_lighthouse(hosts: Hosts, node: int, log: Path, join_timeout_s: float =
             kill_tree(proc)
             raise RuntimeError(f"the lighthouse did not start; its log ({log}):\n{text[-2000:]}")
         time.sleep(0.2)
-    port = text.split("--fed_lighthouse", 1)[1].split()[0].rsplit(":", 1)[1]
-    return proc, f"http://{hosts.address(node)}:{port}"
+    listening = text.split("--fed_lighthouse", 1)[1].split()[0].rsplit(":", 1)[1]
+    return proc, f"http://{hosts.address(node)}:{listening}"
 
 
 def kill_tree(proc: subprocess.Popen) -> int:
@@ -110,16 +110,40 @@ def kill_tree(proc: subprocess.Popen) -> int:
     return len(pids)
 
 
-def descendants(pid: int, adopted: dict[int, int] | None = None) -> list[int]:
-    """Every process below ``pid`` (children first), read from /proc; the tests' launches are killed with it too.
+def kill_worker(proc: subprocess.Popen) -> int:
+    """SIGKILL one worker of a launch (the lowest-numbered child of its torchrun, rank 0 as a rule), leaving torchrun
+    to restart the group's workers as it does after a crash; the worker's pid."""
+    children = process_children()
+    agents = [pid for pid in [proc.pid, *descendants(proc.pid)] if b"torch.distributed.run" in cmdline(pid)]
+    workers = children.get(agents[0], []) if agents else []
+    if not workers:
+        raise RuntimeError(f"the launch {proc.pid} has no worker to kill (it ended with {proc.poll()})")
+    os.kill(min(workers), signal.SIGKILL)
+    return min(workers)
 
-    ``adopted`` adds parent → child links /proc does not show (tests.launch: a launch client's launcher is forked by
-    the session's launch server, not by the client)."""
+
+def cmdline(pid: int) -> bytes:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b""
+
+
+def process_children() -> dict[int, list[int]]:
+    """Every process's children, read from /proc."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
             children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return children
+
+
+def descendants(pid: int, adopted: dict[int, int] | None = None) -> list[int]:
+    """Every process below ``pid`` (children first), read from /proc; the tests' launches are killed with it too.
+
+    ``adopted`` adds parent → child links /proc does not show (tests.launch: a launch client's launcher is forked by
+    the session's launch server, not by the client)."""
+    children = process_children()
     for parent, child in (adopted or {}).items():
         children.setdefault(parent, []).append(child)
     found, todo = [], [pid]

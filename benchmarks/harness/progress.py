@@ -10,6 +10,9 @@ file per launch (a federation group under ``fed_transport torchft``, the whole j
 - ``end``: every rank, after training: the SHA-256 of its local shards (the groups hold one global model iff
   the ranks at the same position of every group agree).
 
+A study that kills launches ends a run by writing a step S (a multiple of H) to the launches' stop file: every group
+stops at its averaging of step S, so that the groups still up end on one model, which their ``end`` events show.
+
 Times are ``time.time()`` (seconds since the epoch), so that they line up with the faults the study injects.
 """
 
@@ -59,9 +62,17 @@ def shards_sha256(model: torch.nn.Module) -> str:
 class ProgressLog(TrainerCallback):
     """Appends this launch's events to ``path``; add it last, so that a ``sync`` follows the averaging callback."""
 
-    def __init__(self, path: str | Path, sync_steps: int, fed_metrics) -> None:
+    def __init__(self, path: str | Path, sync_steps: int, fed_metrics, stop_file: str | Path | None = None) -> None:
         self.path, self.sync_steps, self.fed_metrics = Path(path), sync_steps, fed_metrics
+        self.stop_file = Path(stop_file) if stop_file else None
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def stop_step(self) -> int | None:
+        """The step the study asked every group to stop at, once it has (the file holds one integer)."""
+        if self.stop_file is None or not self.stop_file.exists():
+            return None
+        text = self.stop_file.read_text().strip()
+        return int(text) if text else None
 
     def _event(self, name: str, step: int, **extra) -> dict:
         return {"event": name, "t": time.time(), "step": step, "attempt": self.attempt, **extra}
@@ -71,9 +82,14 @@ class ProgressLog(TrainerCallback):
             append(self.path, self._event("begin", state.global_step))
 
     def on_step_end(self, args, state, control, **kwargs):
-        if args.process_index == 0 and state.global_step % self.sync_steps == 0:
+        if state.global_step % self.sync_steps:
+            return
+        if args.process_index == 0:
             fed = {k: v for k, v in self.fed_metrics().items() if k in FED_KEYS}
             append(self.path, self._event("sync", state.global_step, **fed))
+        stop = self.stop_step()  # read by every rank: S lies ahead of every rank when written, so all see it
+        if stop is not None and state.global_step >= stop:
+            control.should_training_stop = True
 
     def on_save(self, args, state, control, **kwargs):
         if args.process_index == 0:

@@ -145,27 +145,31 @@ def test_time_to_quality_study_runs_on_a_tiny_cluster(tmp_path, data_cache):
 
 @pytest.mark.timeout(900)
 @NETNS
-def test_goodput_study_runs_both_paths_with_a_fault(tmp_path):
-    """The quick mode's machinery on a short run (not its timing) of 2 groups × 1 rank: both paths, one fault each
-    (group 1 killed at 4 s of 10, restarted 2 s later), the figures, table and plot written, every namespace removed.
+def test_goodput_study_runs_both_paths_through_a_full_restart(tmp_path):
+    """The study's machinery on a short run (not its timing) of 2 groups × 1 rank: both paths, one full restart each
+    (every launch and the lighthouse killed at 4 s of 10, the groups started again from 6 s, 5 s apart, resuming
+    from their checkpoints), every group stopped at one step and ended on one model, the figures, table and plot
+    written, every namespace removed.
 
-    Over 60 s (about 80 s here): each path is a real run of 10 s of training, the killed group's fresh launch and
-    its heal or resume, and the study's fixed start-up of the namespace cluster and the lighthouse."""
+    Over 60 s (about 115 s here): each path is a real run of 10 s of training, the restart's start-ups and resume,
+    the stop at one step, and the study's fixed start-up of the namespace cluster and the lighthouse."""
     out = tmp_path / "out"
-    args = ["--quick", "--groups", "2", "--run-s", "10", "--intervals-s", "8", "--restart-s", "2", "--out", out,
-            "--work", tmp_path / "work"]  # fmt: skip
+    args = ["--quick", "--groups", "2", "--run-s", "10", "--intervals-s", "8", "--restart-s", "2", "--faults", "full",
+            "--out", out, "--work", tmp_path / "work"]  # fmt: skip
     proc, out_text = run_study("goodput", args, timeout_s=840)
     assert proc.returncode == 0, out_text[-6000:]
     assert not [name for name in list_namespaces() if name.startswith(f"fsb{proc.pid}")]
     results = json.loads((out / "results.json").read_text())
-    runs = {(r["path"], r["interval_s"]): r for r in results["reps"][0]["runs"]}
-    assert set(runs) == {("torchft", None), ("mesh", None), ("torchft", 8.0), ("mesh", 8.0)}
+    runs = {(r["path"], r["fault"]): r for r in results["reps"][0]["runs"]}
+    assert set(runs) == {("torchft", None), ("mesh", None), ("torchft", "full"), ("mesh", "full")}
     for path in ("torchft", "mesh"):
         assert runs[(path, None)]["goodput"] == 1.0 and runs[(path, None)]["group_steps"] > 0
-        assert [f["group"] for f in runs[(path, 8.0)]["faults"]] == [1]
-        assert runs[(path, 8.0)]["goodput"] is not None
+        assert [f["group"] for f in runs[(path, "full")]["faults"]] == [-1]
+        assert runs[(path, "full")]["goodput"] is not None
+        for fault in (None, "full"):  # both groups wrote their shards' SHA-256 at the stop step, and they agree
+            assert (runs[(path, fault)]["groups_ended"], runs[(path, fault)]["models_at_end"]) == ([0, 1], 1)
     assert results["hosts"] == "netns" and results["config"]["groups"] == 2
-    assert "| torchft | 8 s | 1 |" in (out / "results.md").read_text()
+    assert "| torchft | every launch killed, back after 2 s, 5 s apart | 8 s | 1 |" in (out / "results.md").read_text()
     assert (out / "goodput.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -374,6 +374,37 @@ def test_torchft_commits_a_groups_steps_at_its_next_averaging():
     assert goodput.committed_torchft(logs, end=9) == 12
 
 
+def test_torchft_loses_the_steps_a_full_restart_rolls_back():
+    """H = 4, a checkpoint at 8: group 0 averages at 4, 8, 12, every launch is killed, and it resumes from 8 and
+    averages at 12 again: 12 - 4 (rolled back) + 4 group-steps by t = 30; a heal ahead of its last averaging loses
+    none."""
+    logs = {"group0": [ev("begin", 0, 0), ev("sync", 4, 4), ev("sync", 8, 8), ev("sync", 12, 12),
+                       ev("begin", 20, 8), ev("sync", 25, 12)]}  # fmt: skip
+    assert goodput.committed_torchft(logs, end=19) == 12
+    assert goodput.committed_torchft(logs, end=21) == 8
+    assert goodput.committed_torchft(logs, end=30) == 12
+    healed = {"group1": [ev("begin", 0, 0), ev("sync", 4, 4), ev("begin", 10, 8), ev("sync", 12, 12)]}
+    assert goodput.committed_torchft(healed, end=12) == 8
+
+
+def test_ended_models_compares_each_rank_with_the_same_rank_of_the_other_groups():
+    """torchft: a log per group, in-group ranks; mesh: one log, global ranks (2 per group). A group counts once all
+    its ranks ended."""
+    torchft = goodput.Run("torchft", None, events={
+        "group0": [ev("end", 9, 16, rank=0, sha256="a"), ev("end", 9, 16, rank=1, sha256="b")],
+        "group1": [ev("end", 9, 16, rank=1, sha256="b"), ev("end", 9, 16, rank=0, sha256="a")],
+        "group2": [ev("end", 9, 16, rank=0, sha256="a")]})  # fmt: skip
+    assert goodput.ended_models(torchft, ranks_per_group=2) == {0: ("a", "b"), 1: ("a", "b")}
+    mesh = goodput.Run("mesh", None, events={"job": [ev("end", 9, 16, rank=r, sha256="ab"[r % 2] + str(r // 3))
+                                                     for r in range(4)]})  # fmt: skip
+    models = goodput.ended_models(mesh, ranks_per_group=2)
+    assert models == {0: ("a0", "b0"), 1: ("a0", "b1")}
+    row = {"ended": [2, 3], "models": [1, 1]}
+    assert not goodput.ended_identical(row, groups=3)
+    assert goodput.identical_cell(row, groups=3) == "**no**: 2 of 3 ended, 1 model(s); 3 of 3 ended, 1 model(s)"
+    assert goodput.identical_cell({"ended": [3], "models": [1]}, groups=3) == "yes"
+
+
 def test_mesh_rolls_back_to_the_newest_checkpoint_at_a_kill():
     """K = 8, H = 4, 4 groups: averaged to step 12, killed at t = 13 (checkpoint 8 complete): 4 × 8 until the
     restarted job averages again at step 12 (t = 30), 4 × 12 from there."""
@@ -410,6 +441,8 @@ def test_goodput_study_refuses_intervals_outside_the_run():
         goodput.GoodputConfig(intervals_s=(300.0,)).validate()
     with pytest.raises(ValueError, match="must be a multiple of H=8"):
         goodput.GoodputConfig(save_steps=12).validate()
+    with pytest.raises(ValueError, match="--faults node: the kinds are worker, launch, full"):
+        goodput.GoodputConfig(faults=("node",)).validate()
 
 
 def test_goodput_study_with_fewer_groups_kills_each_of_the_others_in_turn():
