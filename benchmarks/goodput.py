@@ -196,26 +196,42 @@ def run_path(cfg: GoodputConfig, hosts: Hosts, path: str, fault: str | None, int
         for fault_at in schedule:
             inject(run, fault_at, launches, cfg)
         time.sleep(max(0.0, run.t0 + cfg.run_s - time.time()))
-        stop_at_one_step(run_dir, launches.procs, cfg)
+        stop_at_one_step(run, run_dir, launches.procs, cfg)
     finally:
         launches.kill_all()
     run.events = {p.stem: progress.read(p) for p in sorted(run_dir.glob("*.jsonl"))}
     return run
 
 
-def stop_at_one_step(run_dir: Path, procs: dict[int, subprocess.Popen], cfg: GoodputConfig) -> int:
-    """Ask every group to stop at one averaging step, two past the furthest any group has logged (so past every
-    rank's), and wait for the launches to end; the step."""
+def stop_at_one_step(run: Run, run_dir: Path, procs: dict[int, subprocess.Popen], cfg: GoodputConfig) -> int:
+    """Once every launch killed by a fault trains again, ask every group to stop at one averaging step, two past the
+    furthest any group has logged (so past every rank's), and wait for the launches to end; the step."""
+    deadline = time.time() + cfg.stop_timeout_s
+    while not back_in_training(run, run_dir) and time.time() < deadline:
+        time.sleep(0.5)
     logged = [e["step"] for p in run_dir.glob("*.jsonl") for e in progress.read(p) if e["event"] in ("begin", "sync")]
     stop = (max(logged, default=0) // cfg.sync_steps + 2) * cfg.sync_steps
     (run_dir / "stop_at.tmp").write_text(str(stop))
     (run_dir / "stop_at.tmp").rename(run_dir / "stop_at")  # whole or absent for the ranks that read it
-    deadline = time.time() + cfg.stop_timeout_s
     while any(p.poll() is None for p in procs.values()) and time.time() < deadline:
         time.sleep(0.5)
     print(f"    stopped at step {stop}; launches still up after {cfg.stop_timeout_s:g} s: "
           f"{[g for g, p in procs.items() if p.poll() is None] or 'none'}", flush=True)  # fmt: skip
     return stop
+
+
+def back_in_training(run: Run, run_dir: Path) -> bool:
+    """Whether every launch a fault killed has begun training since (mesh: the job; -1: every group)."""
+    for fault in run.faults:
+        if run.path == "mesh":
+            logs = ["job"]
+        else:
+            logs = [p.stem for p in run_dir.glob("group*.jsonl")] if fault["group"] < 0 else [f"group{fault['group']}"]
+        kill = run.t0 + fault["kill_s"]
+        for log in logs:
+            if not any(e["event"] == "begin" and e["t"] > kill for e in progress.read(run_dir / f"{log}.jsonl")):
+                return False
+    return True
 
 
 def wait_for_training(run_dir: Path, launches: dict, timeout_s: float) -> float:

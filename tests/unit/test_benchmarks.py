@@ -7,6 +7,7 @@ tests/studies/ runs the studies themselves end to end."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -403,6 +404,22 @@ def test_ended_models_compares_each_rank_with_the_same_rank_of_the_other_groups(
     assert not goodput.ended_identical(row, groups=3)
     assert goodput.identical_cell(row, groups=3) == "**no**: 2 of 3 ended, 1 model(s); 3 of 3 ended, 1 model(s)"
     assert goodput.identical_cell({"ended": [3], "models": [1]}, groups=3) == "yes"
+
+
+def test_a_run_is_stopped_only_once_every_killed_launch_trains_again(tmp_path):
+    """Group 1 killed at 4 s (t0 = 100): not back until its log has a begin after 104; a full restart (-1) waits
+    for every group."""
+    (tmp_path / "group0.jsonl").write_text(json.dumps(ev("begin", 100, 0)) + "\n")
+    (tmp_path / "group1.jsonl").write_text(json.dumps(ev("begin", 100, 0)) + "\n")
+    run = goodput.Run("torchft", 8.0, "launch", t0=100.0, faults=[{"group": 1, "kill_s": 4, "restart_s": 6}])
+    assert not goodput.back_in_training(run, tmp_path)
+    progress.append(tmp_path / "group1.jsonl", ev("begin", 120, 16))
+    assert goodput.back_in_training(run, tmp_path)
+    run.faults.append({"group": -1, "kill_s": 30, "restart_s": 32})
+    progress.append(tmp_path / "group1.jsonl", ev("begin", 140, 16))
+    assert not goodput.back_in_training(run, tmp_path)  # group 0 has not begun since 130
+    progress.append(tmp_path / "group0.jsonl", ev("begin", 145, 16))
+    assert goodput.back_in_training(run, tmp_path)
 
 
 def test_mesh_rolls_back_to_the_newest_checkpoint_at_a_kill():
