@@ -38,6 +38,7 @@ from transformers import AutoTokenizer, HfArgumentParser, PreTrainedTokenizerBas
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
 from hf_fedshard.errors import exit_on_config_error
+from hf_fedshard.integrations.fsdp import loads_weights
 from hf_fedshard.tools.data import EMBEDDED, load_text, pack, prepare_once, train_bpe_tokenizer
 from hf_fedshard.tools.models import PRESETS, SMOLLM2, build_model, resolve_model
 
@@ -134,7 +135,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train = train.select(range(min(data_args.max_train_samples, len(train))))
     if data_args.max_eval_samples is not None:
         evaluation = evaluation.select(range(min(data_args.max_eval_samples, len(evaluation))))
-    model = build_model(model_args.model_size, len(tokenizer), data_args.block_size, model_args.model_name_or_path)
+    # Under cpu_ram_efficient_loading only rank 0 reads the weights; Accelerate broadcasts them as it shards the model.
+    path, empty = model_args.model_name_or_path, not loads_weights(args)
+    model = build_model(model_args.model_size, len(tokenizer), data_args.block_size, path, empty)
 
     trainer = FedShardTrainer(
         model=model,
