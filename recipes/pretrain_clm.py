@@ -20,6 +20,8 @@ Two nodes × 4 GPUs, one group per node (run on each node, machine_rank 0 and 1)
 The same with torchrun: `torchrun --nnodes 2 --nproc_per_node 4 --node_rank $NODE_RANK
 --rdzv_endpoint $MASTER_ADDR:29500 recipes/pretrain_clm.py ... --fed_group_size 4` (FSDP2 is turned on
 by the fed settings). `--fed_shard_size 2` with `--fed_group_size 4` gives FL+HSDP (2 replicas × 2 shards).
+The accelerate config's `fsdp_cpu_ram_efficient_loading: true` (rank 0 alone reads `--model_name_or_path`'s weights)
+is `--fsdp_config '{"cpu_ram_efficient_loading": true}'` with torchrun.
 
 Batch arithmetic (printed at start): one optimizer step of one group reads
 per_device_train_batch_size × fed_group_size × gradient_accumulation_steps blocks of block_size tokens.

@@ -9,9 +9,10 @@ Two things Accelerate does not do by itself:
   `FederatedParallelismConfig`, whose FSDP axes are one group's.
 
 Its ``cpu_ram_efficient_loading`` works as it is under a federation: `fsdp2_prepare_model` broadcasts the main
-process's full state dict over the world and every group shards it over its own mesh, so every group starts from
-the weights a normal load gives. Transformers 5 reads the weights on every rank all the same: `loads_weights` says
-which ranks need not, and they build the model on the meta device instead (`hf_fedshard.tools.models.build_model`).
+process's full state dict over the world (once, so the model crosses the slow tier once at start-up) and every group
+shards it over its own mesh, so every group starts from the weights a normal load gives. Transformers 5 reads the
+weights on every rank all the same: `loads_weights` says which ranks need not, and they build the model on the meta
+device instead (`hf_fedshard.tools.models.build_model`).
 """
 
 from __future__ import annotations

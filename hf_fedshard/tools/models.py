@@ -138,7 +138,7 @@ def build_model(
                 f"--model_name_or_path={model_name_or_path} could not be loaded ({str(err).splitlines()[0][:160]}). "
                 "Give a local folder saved with save_pretrained, or a Hub id with network access."
             ) from err
-    if empty:  # the dtype from_pretrained takes ("auto": the config's), so the broadcast's tensors match
+    if empty:  # from_pretrained's dtype too ("auto": the config's), so that rank 0's broadcast tensors fit these
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config)
         model.tie_weights()  # init_empty_weights re-creates each parameter it registers, which unties lm_head
