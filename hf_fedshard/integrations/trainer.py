@@ -202,7 +202,8 @@ class FedShardMixin(Trainer):
         self._check_federation_inputs()
         super().create_accelerator_and_postprocess()
         plugin = requested_fsdp_plugin(self.args)
-        check_weights_present(self.model, plugin, self.accelerator.is_main_process)  # cpu_ram_efficient_loading's
+        if self.model is not None:  # None with model_init: its model is built later
+            check_weights_present(self.model, plugin, self.accelerator.is_main_process)  # cpu_ram_efficient_loading's
         if plugin is None:
             return
         ensure_fsdp(self.accelerator, plugin)
