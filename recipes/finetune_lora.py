@@ -26,6 +26,7 @@ from transformers import AutoTokenizer, HfArgumentParser, default_data_collator,
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
 from hf_fedshard.errors import exit_on_config_error
+from hf_fedshard.integrations.fsdp import loads_weights
 from hf_fedshard.tools.data import EMBEDDED, load_text, pack, train_bpe_tokenizer
 from hf_fedshard.tools.models import PRESETS, SMOLLM2, build_model, resolve_model
 
@@ -76,14 +77,15 @@ def make_parser() -> HfArgumentParser:
     return parser
 
 
-def _model_and_tokenizer(model_args: ModelArguments, data_args: DataArguments, raw):
-    """The model to adapt and its tokenizer; a fresh preset (and a BPE on the new text) if the default is absent."""
+def _model_and_tokenizer(model_args: ModelArguments, data_args: DataArguments, raw, empty: bool):
+    """The model to adapt and its tokenizer; a fresh preset (and a BPE on the new text) if the default is absent.
+    ``empty``: parameters on the meta device (cpu_ram_efficient_loading fills them from rank 0's)."""
     path = model_args.model_name_or_path
     if path is not None and (Path(path).is_dir() or path != ModelArguments.model_name_or_path):
         tokenizer = AutoTokenizer.from_pretrained(path)
     else:
         path, tokenizer = None, train_bpe_tokenizer(raw["train"], data_args.vocab_size)
-    return build_model(model_args.model_size, len(tokenizer), data_args.block_size, path), tokenizer
+    return build_model(model_args.model_size, len(tokenizer), data_args.block_size, path, empty), tokenizer
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     raw = load_text(
         data_args.dataset_name, data_args.dataset_config_name, data_args.train_file, data_args.validation_file
     )
-    model, tokenizer = _model_and_tokenizer(model_args, data_args, raw)
+    model, tokenizer = _model_and_tokenizer(model_args, data_args, raw, empty=not loads_weights(args))
     blocks = pack(raw, tokenizer, data_args.block_size)
     evaluation = blocks["validation"]
     if data_args.max_eval_samples is not None:

@@ -20,6 +20,8 @@ Two nodes × 4 GPUs, one group per node (run on each node, machine_rank 0 and 1)
 The same with torchrun: `torchrun --nnodes 2 --nproc_per_node 4 --node_rank $NODE_RANK
 --rdzv_endpoint $MASTER_ADDR:29500 recipes/pretrain_clm.py ... --fed_group_size 4` (FSDP2 is turned on
 by the fed settings). `--fed_shard_size 2` with `--fed_group_size 4` gives FL+HSDP (2 replicas × 2 shards).
+The accelerate config's `fsdp_cpu_ram_efficient_loading: true` (rank 0 alone reads `--model_name_or_path`'s weights)
+is `--fsdp_config '{"cpu_ram_efficient_loading": true}'` with torchrun.
 
 Batch arithmetic (printed at start): one optimizer step of one group reads
 per_device_train_batch_size × fed_group_size × gradient_accumulation_steps blocks of block_size tokens.
@@ -38,6 +40,7 @@ from transformers import AutoTokenizer, HfArgumentParser, PreTrainedTokenizerBas
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
 from hf_fedshard.errors import exit_on_config_error
+from hf_fedshard.integrations.fsdp import loads_weights
 from hf_fedshard.tools.data import EMBEDDED, load_text, pack, prepare_once, train_bpe_tokenizer
 from hf_fedshard.tools.models import PRESETS, SMOLLM2, build_model, resolve_model
 
@@ -134,7 +137,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train = train.select(range(min(data_args.max_train_samples, len(train))))
     if data_args.max_eval_samples is not None:
         evaluation = evaluation.select(range(min(data_args.max_eval_samples, len(evaluation))))
-    model = build_model(model_args.model_size, len(tokenizer), data_args.block_size, model_args.model_name_or_path)
+    # Under cpu_ram_efficient_loading only rank 0 reads the weights; Accelerate broadcasts them as it shards the model.
+    path, empty = model_args.model_name_or_path, not loads_weights(args)
+    model = build_model(model_args.model_size, len(tokenizer), data_args.block_size, path, empty)
 
     trainer = FedShardTrainer(
         model=model,

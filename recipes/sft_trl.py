@@ -35,6 +35,7 @@ from peft import LoraConfig
 from transformers import AutoTokenizer, HfArgumentParser, PreTrainedTokenizerBase, set_seed
 
 from hf_fedshard.errors import exit_on_config_error
+from hf_fedshard.integrations.fsdp import loads_weights
 from hf_fedshard.tools.data import EMBEDDED, load_text, prepare_once, train_bpe_tokenizer
 from hf_fedshard.tools.models import PRESETS, SMOLLM2, build_model, resolve_model
 from hf_fedshard.trl import FedShardSFTConfig, FedShardSFTTrainer
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     else:  # the Quickstart's model, or a fresh preset when it is absent
         key = {"recipe": "sft_trl", **vars(script), "model": local and str(Path(local).resolve())}
         data, tokenizer = prepare_once(args, key, lambda: prepare(script, local))
-        model = build_model(script.model_size, len(tokenizer), args.max_length, local)
+        model = build_model(script.model_size, len(tokenizer), args.max_length, local, empty=not loads_weights(args))
     peft_config = None
     if script.use_peft:
         peft_config = LoraConfig(

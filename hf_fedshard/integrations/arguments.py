@@ -251,7 +251,7 @@ class FedShardArgumentsMixin:
             self._check_sharding_backend()
             if not self.fsdp and not _env_flag("ACCELERATE_USE_FSDP"):
                 self.fsdp = True
-                self.fsdp_config = {**(self.fsdp_config or {}), "version": 2}
+                self.fsdp_config = {**self._fsdp_config_dict(), "version": 2}
                 _notice(
                     "%s asked for and no FSDP configured: turning on FSDP2 (model's _no_split_modules)", layout.method
                 )
@@ -472,13 +472,19 @@ class FedShardArgumentsMixin:
     def _requested_fsdp_version(self) -> int | None:
         """The FSDP version asked for by the arguments or by `accelerate launch`; `None` if FSDP is off."""
         if self.fsdp:
-            config = self.fsdp_config or {}
-            if isinstance(config, str):
-                config = json.loads(config) if config.startswith("{") else json.loads(Path(config).read_text())
+            config = self._fsdp_config_dict()
             return int(config.get("version", config.get("fsdp_version", 2)))
         if _env_flag("ACCELERATE_USE_FSDP"):
             return int(os.environ.get("FSDP_VERSION", "1"))
         return None
+
+    def _fsdp_config_dict(self) -> dict:
+        """``fsdp_config`` as a dict, read as `TrainingArguments` reads it: a dict, a JSON string (the command line's
+        ``--fsdp_config '{"cpu_ram_efficient_loading": true}'``) or the path of a JSON file."""
+        config = self.fsdp_config or {}
+        if isinstance(config, str):
+            return json.loads(config) if config.startswith("{") else json.loads(Path(config).read_text())
+        return dict(config)
 
 
 @dataclass

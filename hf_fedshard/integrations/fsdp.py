@@ -7,6 +7,12 @@ Two things Accelerate does not do by itself:
   state to FSDP ourselves.
 - Its FSDP2 mesh spans the whole world. We give it the federation mesh through a
   `FederatedParallelismConfig`, whose FSDP axes are one group's.
+
+Its ``cpu_ram_efficient_loading`` works as it is under a federation: `fsdp2_prepare_model` broadcasts the main
+process's full state dict over the world (once, so the model crosses the slow tier once at start-up) and every group
+shards it over its own mesh, so every group starts from the weights a normal load gives. Transformers 5 reads the
+weights on every rank all the same: `loads_weights` says which ranks need not, and they build the model on the meta
+device instead (`hf_fedshard.tools.models.build_model`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 
 from accelerate import Accelerator, ParallelismConfig, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import TrainingArguments
 
@@ -32,6 +39,42 @@ def requested_fsdp_plugin(args: TrainingArguments) -> FullyShardedDataParallelPl
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         return FullyShardedDataParallelPlugin()
     return None
+
+
+def ram_efficient_loading(plugin: FullyShardedDataParallelPlugin | None) -> bool:
+    """Whether Accelerate fills the model with the main process's weights as it shards it: the plugin's
+    ``cpu_ram_efficient_loading`` (``fsdp_cpu_ram_efficient_loading: true`` in an accelerate config,
+    ``fsdp_config={"cpu_ram_efficient_loading": True}`` in the arguments, ``FSDP_CPU_RAM_EFFICIENT_LOADING=1``)."""
+    return plugin is not None and bool(plugin.cpu_ram_efficient_loading)
+
+
+def loads_weights(args: TrainingArguments) -> bool:
+    """Whether this rank must read the pretrained weights: every rank, but under ``cpu_ram_efficient_loading`` the
+    main process alone, whose weights Accelerate broadcasts to the others (theirs may be on the meta device).
+
+    The main process is rank 0 of the launch: of the world with ``fed_transport mesh``, of its group with torchft.
+    Needs the process group (``args.process_index``), as the model is built after it exists.
+    """
+    return args.process_index == 0 or not ram_efficient_loading(requested_fsdp_plugin(args))
+
+
+def check_weights_present(model: nn.Module, plugin: FullyShardedDataParallelPlugin | None, main_process: bool) -> None:
+    """Refuse a model with parameters on the meta device that nothing would fill: without ``cpu_ram_efficient_loading``,
+    or on the main process, whose weights are the ones broadcast."""
+    meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
+    if meta is None:
+        return
+    if not ram_efficient_loading(plugin):
+        raise ConfigError(
+            f"the model's {meta} is on the meta device (no weights) and cpu_ram_efficient_loading is off, so nothing "
+            "would fill it. Load the weights on every rank, or set fsdp_cpu_ram_efficient_loading: true in the "
+            "accelerate config (torchrun: --fsdp_config '{\"cpu_ram_efficient_loading\": true}')."
+        )
+    if main_process:
+        raise ConfigError(
+            f"cpu_ram_efficient_loading broadcasts the main process's weights, but its {meta} is on the meta device. "
+            "Load the weights on rank 0 (only the other ranks may build the model empty: see loads_weights)."
+        )
 
 
 def ensure_fsdp(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:

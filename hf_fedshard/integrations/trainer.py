@@ -64,7 +64,13 @@ from hf_fedshard.integrations.callback import FedAvgCallback
 from hf_fedshard.integrations.card import CARD_EXTRAS, TrainingClock, clock_hidden, extend_card
 from hf_fedshard.integrations.elastic import cut_state, federation_fingerprint, register_heal_parts, resume_folder
 from hf_fedshard.integrations.file_modes import follow_umask
-from hf_fedshard.integrations.fsdp import ensure_fsdp, requested_fsdp_plugin, use_federation_mesh, world_data_view
+from hf_fedshard.integrations.fsdp import (
+    check_weights_present,
+    ensure_fsdp,
+    requested_fsdp_plugin,
+    use_federation_mesh,
+    world_data_view,
+)
 from hf_fedshard.integrations.group_eval import evaluate_each_group
 from hf_fedshard.integrations.group_gather import gathers_within_group
 from hf_fedshard.integrations.timeouts import explain_stalled_collectives
@@ -196,6 +202,8 @@ class FedShardMixin(Trainer):
         self._check_federation_inputs()
         super().create_accelerator_and_postprocess()
         plugin = requested_fsdp_plugin(self.args)
+        if self.model is not None:  # None with model_init: its model is built later
+            check_weights_present(self.model, plugin, self.accelerator.is_main_process)  # cpu_ram_efficient_loading's
         if plugin is None:
             return
         ensure_fsdp(self.accelerator, plugin)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from accelerate import init_empty_weights
 from filelock import FileLock
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
 
@@ -115,19 +116,36 @@ def resolve_model(name_or_path: str | None) -> str | None:
 
 
 def build_model(
-    size: str, vocab_size: int, max_position_embeddings: int, model_name_or_path: str | None = None
+    size: str,
+    vocab_size: int,
+    max_position_embeddings: int,
+    model_name_or_path: str | None = None,
+    empty: bool = False,
 ) -> PreTrainedModel:
-    """A checkpoint (local path or Hub id) if given, else a freshly initialised Llama of preset ``size``."""
-    if model_name_or_path is not None:
+    """A checkpoint (local path or Hub id) if given, else a freshly initialised Llama of preset ``size``.
+
+    ``empty``: the same model with its parameters on the meta device (buffers computed), its weights not read: for the
+    ranks that Accelerate's ``cpu_ram_efficient_loading`` fills from the main process (pass
+    ``not loads_weights(args)``, `hf_fedshard.integrations.fsdp`). Transformers 5 would read them on every rank.
+    """
+    if model_name_or_path is None:
+        config = llama_config(size, vocab_size, max_position_embeddings)
+    else:
         try:
-            AutoConfig.from_pretrained(model_name_or_path)
+            config = AutoConfig.from_pretrained(model_name_or_path)
         except OSError as err:
             raise ConfigError(
                 f"--model_name_or_path={model_name_or_path} could not be loaded ({str(err).splitlines()[0][:160]}). "
                 "Give a local folder saved with save_pretrained, or a Hub id with network access."
             ) from err
+    if empty:  # from_pretrained's dtype too ("auto": the config's), so that rank 0's broadcast tensors fit these
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config)
+        model.tie_weights()  # init_empty_weights re-creates each parameter it registers, which unties lm_head
+        return model
+    if model_name_or_path is not None:
         return AutoModelForCausalLM.from_pretrained(model_name_or_path)
-    return AutoModelForCausalLM.from_config(llama_config(size, vocab_size, max_position_embeddings))
+    return AutoModelForCausalLM.from_config(config)
 
 
 def main() -> None:

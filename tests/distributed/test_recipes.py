@@ -30,8 +30,11 @@ def run(cmd: list, timeout_s: float = 300) -> subprocess.CompletedProcess:
         raise TimeoutError(f"{cmd} hung for {timeout_s}s") from err
 
 
-def accelerate_launch(config: str, script: str, args: list, timeout_s: float = 400) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / config, RECIPES / script]
+def accelerate_launch(
+    config: str, script: str, args: list, timeout_s: float = 400, launch_args: tuple = ()
+) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / config, *launch_args,
+           RECIPES / script]  # fmt: skip
     result = run([*cmd, *args], timeout_s)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
@@ -76,10 +79,13 @@ def test_pretrain_writes_model_tokenizer_card_and_plot(pretrained):
 
 @pytest.mark.timeout(600)
 def test_lora_sends_only_adapter_bytes(pretrained, tmp_path):
+    """With the accelerate config's fsdp_cpu_ram_efficient_loading on, as for a big model: rank 0 alone reads the
+    weights, the others wrap an empty model with LoRA (test_ram_efficient_loading.py pins the weights themselves)."""
     out = tmp_path / "lora"
     result = accelerate_launch("fl_fsdp_cpu.yaml", "finetune_lora.py",
                                ["--model_name_or_path", pretrained, "--output_dir", out, "--max_steps", "4",
-                                "--eval_steps", "4", *TINY_RUN])  # fmt: skip
+                                "--eval_steps", "4", *TINY_RUN],
+                               launch_args=("--fsdp_cpu_ram_efficient_loading", "true"))  # fmt: skip
     results = json.loads((out / "all_results.json").read_text())
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     fed = [h for h in history if "fed_syncs" in h][-1]

@@ -18,6 +18,10 @@ job restarted by ``torchrun --max-restarts`` runs clean:
     --nan_at 3:1 5:0,1                         a NaN in group 1's first shard after step 3, in both after 5
     --hold_at_step 10 --hold_until F           wait as step 10 begins until file F exists (--restart_marker F:
                                                a restarted launch creates F as it starts)
+
+``--pretrained_dir D`` loads the model from the folder D as the recipes do (`build_model`: with
+``--fsdp_config '{"cpu_ram_efficient_loading": true}'`` only rank 0 reads it); the dump then says whether the model
+the trainer was given was on the meta device and holds its shards as preparing left them (``prepared``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from torch.distributed.tensor import DTensor
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, set_seed
 
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
+from hf_fedshard.integrations.fsdp import loads_weights
+from hf_fedshard.tools.models import build_model
 from hf_fedshard.transports.mesh import destroy_gloo_groups_at_exit
 
 SEQ_LEN = 16
@@ -85,6 +91,9 @@ class ScriptArguments:
     nan_at: list[str] = field(
         default_factory=list, metadata={"help": "STEP:GROUPS events, e.g. 3:1 5:0,1: a NaN in those groups after STEP."}
     )
+    pretrained_dir: str | None = field(
+        default=None, metadata={"help": "Load the model from this folder as the recipes do (build_model)."}
+    )
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -102,7 +111,7 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def tiny_llama() -> LlamaForCausalLM:
+def tiny_llama(tie_word_embeddings: bool = False) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -111,7 +120,7 @@ def tiny_llama() -> LlamaForCausalLM:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=SEQ_LEN,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     set_seed(0)
     return LlamaForCausalLM(config)
@@ -123,6 +132,24 @@ def local_checksum(model: torch.nn.Module) -> float:
         local = p.to_local() if isinstance(p, DTensor) else p
         total += local.detach().double().sum()
     return total.item()
+
+
+class PreparedRecorder(TrainerCallback):
+    """Put first: this rank's local shards and the embeddings' tie as preparing left them (before any averaging)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer, self.state = trainer, {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        model = self.trainer.model
+        self.state = {
+            "local": {n: local_of(p) for n, p in model.named_parameters(remove_duplicate=False)},
+            "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+        }
+
+
+def local_of(param: torch.Tensor) -> torch.Tensor:
+    return (param.to_local() if isinstance(param, DTensor) else param).detach().clone()
 
 
 class Recorder(TrainerCallback):
@@ -323,7 +350,11 @@ def main(argv: list[str] | None = None) -> None:
     destroy_gloo_groups_at_exit()  # the plain-Trainer reference runs need it too
     if script.restart_marker and not first_attempt():
         open(script.restart_marker, "a").close()
-    model = tiny_llama()
+    if script.pretrained_dir is None:
+        model = tiny_llama()
+    else:
+        model = build_model("micro", VOCAB, SEQ_LEN, script.pretrained_dir, empty=not loads_weights(args))
+    on_meta = all(p.is_meta for p in model.parameters())
     if script.freeze_all:
         model.requires_grad_(False)
     seen: list[int] = []
@@ -340,6 +371,9 @@ def main(argv: list[str] | None = None) -> None:
         trainer = (FedShardTrainer if script.trainer == "fed" else Trainer)(model=model, args=args, **kwargs)
     recorder = Recorder()
     trainer.add_callback(recorder)
+    prepared = PreparedRecorder(trainer)
+    if script.pretrained_dir is not None:
+        trainer.callback_handler.callbacks.insert(0, prepared)
     if isinstance(trainer, FedShardTrainer):
         trainer.add_callback(Faults(script, args.process_index, args.fed_group_index(args.process_index)))
     eval_params = EvalParamsRecorder(trainer) if script.record_eval_params else None
@@ -381,14 +415,13 @@ def main(argv: list[str] | None = None) -> None:
         "fragment_names": syncs.fragment_names if syncs else None,
         "start_params": syncs.start if syncs else None,
         "eval_params": eval_params.params if eval_params else None,
+        "on_meta": on_meta,
+        "prepared": prepared.state,
         "is_dtensor": [isinstance(p, DTensor) for p in trainer.model.parameters()],
         "placements": [str(pl) for pl in param.placements] if isinstance(param, DTensor) else None,
         "mesh_shape": list(param.device_mesh.shape) if isinstance(param, DTensor) else None,
         "full_params": {n: full_tensor(p) for n, p in trainer.model.named_parameters()},
-        "local_params": {
-            n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in trainer.model.named_parameters()
-        },
+        "local_params": {n: local_of(p) for n, p in trainer.model.named_parameters()},
     }
     os.makedirs(script.dump_dir, exist_ok=True)
     torch.save(dump, os.path.join(script.dump_dir, f"rank{trainer.args.process_index}.pt"))

@@ -185,6 +185,21 @@ def test_several_groups_keep_token_counts_local(tmp_path, world4, monkeypatch):
     assert args.fsdp is True and args.fsdp_config == {"version": 2}
 
 
+@pytest.mark.parametrize("form", ["json", "file"])
+def test_fsdp_config_from_the_command_line_keeps_its_keys_when_fsdp2_is_turned_on(tmp_path, world4, monkeypatch, form):
+    """torchrun users turn Accelerate's switches on with --fsdp_config (a JSON string or file) and a fed setting alone:
+    the config is read, not merged as a string (it raised "'str' object is not a mapping")."""
+    from transformers import TrainingArguments
+
+    monkeypatch.setattr(TrainingArguments, "__post_init__", lambda self: None)
+    config = '{"cpu_ram_efficient_loading": true}'
+    if form == "file":
+        (tmp_path / "fsdp.json").write_text(config)
+        config = str(tmp_path / "fsdp.json")
+    args = parse(tmp_path, "--fed_group_size", "2", "--fsdp_config", config)
+    assert args.fsdp is True and args.fsdp_config == {"cpu_ram_efficient_loading": True, "version": 2}
+
+
 def test_no_federation_leaves_training_arguments_alone(tmp_path, world1):
     from transformers import TrainingArguments
 
