@@ -5,6 +5,9 @@ The loop is the one you would write for FSDP2; the federation adds three lines (
 
     torchrun --nproc_per_node 4 recipes/pretrain_plain_loop.py --group_size 2 --sync_steps 8 --max_steps 40
 
+From a pretrained model, with its perplexity before and after: ``--model_name_or_path smollm2-135m-instruct
+--eval_on_start --learning_rate 1e-4``.
+
 Every rank reads its own slice of each world batch (``accelerator.prepare`` of the data loader over the world),
 each group shards the model with FSDP2 over its own ranks, and every ``sync_steps`` steps the groups average.
 The evaluation at the end is the global model's, and ``--output_dir`` receives it in the Hugging Face format.
@@ -47,6 +50,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--learning_rate", type=float, default=2e-3)
     parser.add_argument("--max_steps", type=int, default=40)
     parser.add_argument("--max_eval_samples", type=int, default=64)
+    parser.add_argument(
+        "--eval_on_start", action="store_true", help="Also evaluate the model before training (as Trainer's flag)."
+    )
     parser.add_argument("--logging_steps", type=int, default=10)
     parser.add_argument("--output_dir", default=None, help="Save the global model here (save_pretrained).")
     parser.add_argument("--seed", type=int, default=42)
@@ -96,6 +102,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     evaluation = blocks["validation"].select(range(min(opts.max_eval_samples, len(blocks["validation"]))))
     eval_loader = accelerator.prepare(DataLoader(evaluation.with_format("torch"), **batches))
     accelerator.print(f"{layout.describe()}; averaging every {opts.sync_steps} steps")
+    before = {}
+    if opts.eval_on_start:  # every group holds the global model here: the averager averaged the initial weights
+        loss = evaluate(model, eval_loader, accelerator)
+        accelerator.print(f"eval loss {loss:.3f}, perplexity {math.exp(loss):.1f} (before training)")
+        before = {"eval_before_loss": loss, "eval_before_perplexity": math.exp(loss)}
     step, epoch = 0, 0
     while step < opts.max_steps:
         train.set_epoch(epoch)
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             model.save_pretrained(opts.output_dir, state_dict=state)
             tokenizer.save_pretrained(opts.output_dir)
             follow_umask(opts.output_dir)  # safetensors writes the weights 0600, the rest gets the umask's mode
-    return {"eval_loss": eval_loss, "eval_perplexity": math.exp(eval_loss), **averager.metrics()}
+    return {**before, "eval_loss": eval_loss, "eval_perplexity": math.exp(eval_loss), **averager.metrics()}
 
 
 if __name__ == "__main__":

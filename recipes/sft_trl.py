@@ -11,6 +11,18 @@ The same with a LoRA adapter (`peft_config`: only the adapter is trained, so onl
     accelerate launch --config_file accelerate_configs/fl_fsdp_cpu.yaml recipes/sft_trl.py \\
         --output_dir outputs/tiny-sft-kjv-lora --fed_group_size 2 --fed_sync_steps 8 --max_steps 48 --use_peft
 
+A real chat model on an offline chat corpus: SmolLM2-135M-Instruct on Shakespeare's dialogue (`shakespeare-chat`:
+each conversation four consecutive speeches of a scene, user and assistant in turn), which SFTTrainer renders with
+the model's chat template (rank 0 prints the first training sequence as formatted):
+
+    accelerate launch --config_file accelerate_configs/fl_fsdp_cpu.yaml recipes/sft_trl.py \\
+        --output_dir outputs/smollm2-sft-chat --model_name_or_path smollm2-135m-instruct \\
+        --dataset_name shakespeare-chat --fed_group_size 2 --fed_sync_steps 8 --max_steps 48
+
+The loss on the assistant's turns only: `--assistant_only_loss true` needs a chat template with `{% generation %}`
+markers, which TRL cannot add to SmolLM2's; give it the one shipped here, which renders the same text:
+`--chat_template_path recipes/chat_templates/smollm2_training.jinja`.
+
 With network access, any Hub model and dataset (a model given as a Hub id is loaded by SFTTrainer itself;
 conversational datasets go through its chat template), e.g. on one node of 8 GPUs as 2 groups of 4:
 
@@ -19,8 +31,9 @@ conversational datasets go through its chat template), e.g. on one node of 8 GPU
         --packing_strategy bfd --output_dir outputs/qwen-sft
 
 Defaults that differ from SFTConfig: `bf16` off (CPUs; pass `--bf16` on GPUs), packing on with the "wrapped"
-strategy into `max_length`=128-token blocks, a 1e-4 learning rate (1e-3 with `--use_peft`), evaluation every 16
-steps. A text dataset is tokenized once per machine (`hf_fedshard.tools.data.prepare_once`); SFTTrainer packs it.
+strategy into `max_length`=128-token blocks, a 1e-4 learning rate (an adapter usually wants more: `--use_peft`
+with `--learning_rate 1e-3`), evaluation every 16 steps. A text dataset is tokenized once per machine
+(`hf_fedshard.tools.data.prepare_once`); SFTTrainer packs it, and renders, tokenizes and packs a chat corpus.
 """
 
 from __future__ import annotations
@@ -34,9 +47,9 @@ from datasets import DatasetDict
 from peft import LoraConfig
 from transformers import AutoTokenizer, HfArgumentParser, PreTrainedTokenizerBase, set_seed
 
-from hf_fedshard.errors import exit_on_config_error
+from hf_fedshard.errors import ConfigError, exit_on_config_error
 from hf_fedshard.integrations.fsdp import loads_weights
-from hf_fedshard.tools.data import EMBEDDED, load_text, prepare_once, train_bpe_tokenizer
+from hf_fedshard.tools.data import CHAT, EMBEDDED, load_text, prepare_once, shakespeare_chat, train_bpe_tokenizer
 from hf_fedshard.tools.models import PRESETS, SMOLLM2, build_model, resolve_model
 from hf_fedshard.trl import FedShardSFTConfig, FedShardSFTTrainer
 
@@ -54,8 +67,10 @@ class ScriptArguments:
         default="tiny", metadata={"help": "Preset built when there is no model to load.", "choices": list(PRESETS)}
     )
     dataset_name: str = field(
-        default="kjv", metadata={"help": f"A Hub dataset id, or an embedded offline corpus: {', '.join(EMBEDDED)}."}
-    )
+        default="kjv",
+        metadata={"help": f"A Hub dataset id, an embedded offline corpus ({', '.join(EMBEDDED)}), or the offline chat "
+                  f"corpus {', '.join(CHAT)} (conversations, through the model's chat template)."},
+    )  # fmt: skip
     dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's configuration."})
     max_eval_samples: int | None = field(default=64, metadata={"help": "Keep only the first N evaluation rows."})
     vocab_size: int = field(default=8192, metadata={"help": "BPE vocabulary when a model is built from scratch."})
@@ -77,21 +92,51 @@ def make_parser() -> HfArgumentParser:
     return parser
 
 
-def prepare(script: ScriptArguments, model_path: str | None) -> tuple[DatasetDict, PreTrainedTokenizerBase]:
-    """Text datasets tokenized (with EOS) by the model's tokenizer, or by a BPE trained on them; once per machine."""
-    raw = load_text(script.dataset_name, script.dataset_config_name)
+def load_data(script: ScriptArguments) -> DatasetDict:
+    """The train and validation splits: a ``text`` column, or ``messages`` for a chat corpus."""
+    if script.dataset_name in CHAT:
+        return shakespeare_chat()
+    return load_text(script.dataset_name, script.dataset_config_name)
+
+
+def prepare(
+    script: ScriptArguments, model_path: str | None, args: FedShardSFTConfig
+) -> tuple[DatasetDict, PreTrainedTokenizerBase]:
+    """Text datasets tokenized (with EOS) by the model's tokenizer, or by a BPE trained on them; once per machine.
+    Conversations are left to SFTTrainer, which renders them with the tokenizer's chat template."""
+    raw = load_data(script)
     if script.max_eval_samples is not None:
         raw["validation"] = raw["validation"].select(range(min(script.max_eval_samples, len(raw["validation"]))))
     if model_path is not None:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     else:
         tokenizer = train_bpe_tokenizer(raw["train"], script.vocab_size)
+    if "messages" in raw["train"].column_names:
+        if tokenizer.chat_template is None and args.chat_template_path is None:
+            raise ConfigError(
+                f"--dataset_name {script.dataset_name} holds conversations, and {model_path or 'a fresh model'} has "
+                "no chat template. Fine-tune a chat model (--model_name_or_path smollm2-135m-instruct) or give "
+                "--chat_template_path."
+            )
+        return raw, tokenizer
 
     def tokenize(batch: dict) -> dict:
         ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
         return {"input_ids": [[*row, tokenizer.eos_token_id] for row in ids]}
 
     return raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names), tokenizer
+
+
+def show_chat_formatting(trainer: FedShardSFTTrainer) -> None:
+    """The first training sequence as SFTTrainer made it (chat template applied, tokenized, packed), and how many of
+    its tokens the loss reads (all of them, or with ``assistant_only_loss`` the assistant's): what the model is
+    trained on, at a glance."""
+    first = trainer.train_dataset[0]
+    text = trainer.processing_class.decode(first["input_ids"])
+    line = f"first training sequence, as SFTTrainer formatted it: {text[:200]!r}"
+    if "labels" in first:  # SFTTrainer's labels: -100 where a mask (assistant, completion) keeps a token out
+        line += f"; the loss reads {sum(t != -100 for t in first['labels'])} of its {len(first['labels'])} tokens"
+    print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -102,10 +147,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if local is None and script.model_name_or_path != QUICKSTART_MODEL:
         # A Hub id: SFTTrainer loads the model and its tokenizer, and prepares the data (on every rank).
         model, tokenizer = script.model_name_or_path, None
-        data = load_text(script.dataset_name, script.dataset_config_name)
+        data = load_data(script)
     else:  # the Quickstart's model, or a fresh preset when it is absent
         key = {"recipe": "sft_trl", **vars(script), "model": local and str(Path(local).resolve())}
-        data, tokenizer = prepare_once(args, key, lambda: prepare(script, local))
+        data, tokenizer = prepare_once(args, key, lambda: prepare(script, local, args))
         model = build_model(script.model_size, len(tokenizer), args.max_length, local, empty=not loads_weights(args))
     peft_config = None
     if script.use_peft:
@@ -120,17 +165,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    trainable, total = trainer.model.get_nb_trainable_parameters() if script.use_peft else (1, 1)
+    if script.use_peft:
+        trainable, total = trainer.model.get_nb_trainable_parameters()
+    else:
+        trainable = total = sum(p.numel() for p in trainer.model.parameters())
+    if trainer.is_world_process_zero() and "messages" in data["train"].column_names:
+        show_chat_formatting(trainer)
     before = trainer.evaluate(metric_key_prefix="eval_before")
     train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = {**before, **train_result.metrics, **trainer.evaluate()}
+    metrics.update(trainable_parameters=trainable, trainable_fraction=trainable / total)
     trainer.save_model()
     trainer.save_metrics("all", metrics)
     trainer.save_state()
     trainer.create_model_card(
         model_name=Path(args.output_dir).name,
         dataset_name=script.dataset_name,
-        hub_dataset=script.dataset_name not in EMBEDDED,
+        hub_dataset=script.dataset_name not in (*EMBEDDED, *CHAT),
         tokens_per_sample=args.max_length,
         command=shlex.join(["recipes/sft_trl.py", *(sys.argv[1:] if argv is None else argv)]),
     )
