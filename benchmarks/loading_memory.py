@@ -138,7 +138,7 @@ def summarize(runs: list[dict]) -> dict:
     for config in dict.fromkeys(r["config"] for r in runs):
         for setting in SETTINGS:
             records = [r["ranks"] for r in runs if (r["config"], r["setting"]) == (config, setting)]
-            peaks = [[rank["prepared"]["peak_mib"] for rank in ranks] for ranks in records]
+            peaks = [[round(rank["prepared"]["peak_mib"]) for rank in ranks] for ranks in records]  # whole MiB
             out[f"{config} {setting}"] = {
                 "peak_mib": [spread([p[r] for p in peaks]) for r in range(RANKS)],
                 "sum_peak_mib": spread([sum(p) for p in peaks]),
