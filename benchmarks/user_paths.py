@@ -48,6 +48,7 @@ from pathlib import Path
 from benchmarks.harness import REPO
 from benchmarks.harness.faults import kill_tree
 from benchmarks.harness.methods import busy_cpu_s, machine_load, others_cpu
+from benchmarks.harness.netns import handle_termination
 from benchmarks.harness.report import run_record_lines
 from benchmarks.harness.study import Study, new_parser, publish
 from hf_fedshard.tools.models import SMOLLM2
@@ -157,24 +158,29 @@ def run_path(name: str, s: Settings, work: Path) -> dict:
     logs = [out / f"log{i}.txt" for i in range(len(argvs))]
     load, cpu = machine_load(), busy_cpu_s()
     start = time.monotonic()
-    lighthouse, first = None, 0
-    if name == "torchft":  # the lighthouse listens before the groups start, and is stopped once they end
-        lighthouse, first = launch(argvs[0], logs[0]), 1
-        while "--fed_lighthouse" not in logs[0].read_text() and lighthouse.poll() is None:
-            if time.monotonic() - start > 60:
-                break  # the groups will fail to reach it, and say so
-            time.sleep(0.2)
-    procs = [launch(argv, log) for argv, log in zip(argvs[first:], logs[first:], strict=True)]
-    statuses = []
-    for proc in procs:
-        try:
-            statuses.append(proc.wait(timeout=max(1.0, s.timeout_s - (time.monotonic() - start))))
-        except subprocess.TimeoutExpired:
-            kill_tree(proc)
-            statuses.append("timeout")
-    wall_s = time.monotonic() - start
-    if lighthouse is not None:
-        kill_tree(lighthouse)
+    first, started = 0, []  # every launch, stopped at the end (the lighthouse) or when this study is stopped
+    try:
+        if name == "torchft":  # the lighthouse listens before the groups start, and is stopped once they end
+            first = 1
+            started.append(launch(argvs[0], logs[0]))
+            while "--fed_lighthouse" not in logs[0].read_text() and started[0].poll() is None:
+                if time.monotonic() - start > 60:
+                    break  # the groups will fail to reach it, and say so
+                time.sleep(0.2)
+        procs = [launch(argv, log) for argv, log in zip(argvs[first:], logs[first:], strict=True)]
+        started += procs
+        statuses = []
+        for proc in procs:
+            try:
+                statuses.append(proc.wait(timeout=max(1.0, s.timeout_s - (time.monotonic() - start))))
+            except subprocess.TimeoutExpired:
+                kill_tree(proc)
+                statuses.append("timeout")
+        wall_s = time.monotonic() - start
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                kill_tree(proc)
     run_logs = [log.read_text(errors="replace") for log in logs[first:]]
     status = next((st for st in statuses if st != 0), 0)
     record = {
@@ -305,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                         timeout_s=a.timeout_s)  # fmt: skip
     settings.validate()
     runs = []
-    with study.running() as work:
+    with handle_termination(), study.running() as work:  # a stopped study stops its launches and removes its folder
         for name in a.paths:
             print(f"{name} ...", flush=True)
             runs.append(run_path(name, settings, work))
