@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from transformers import TrainerControl, TrainerState
 
-from benchmarks import goodput, overhead, overlap, quality, scaling
+from benchmarks import goodput, overhead, overlap, pretrained, quality, scaling
 from benchmarks import layout_change as lc
 from benchmarks import stream_quality as sq
 from benchmarks import time_to_quality as ttq
@@ -64,6 +64,50 @@ def test_quality_summary_is_median_and_range_over_seeds():
     (row,) = quality.summarize(runs, cfg)["rows"]
     assert (row["median"], row["min"], row["max"], row["seeds"]) == (20.0, 10.0, 30.0, 3)
     assert "20.0 (10.0–30.0)" in quality.markdown(quality.summarize(runs, cfg))
+
+
+def test_pretrained_runs_differ_only_in_layout_and_the_verdict_pairs_seeds():
+    cfg = pretrained.PretrainedConfig()
+
+    def settings(method: str) -> dict[str, str]:
+        args = pretrained.run_args(cfg, method, seed=1)
+        return dict(zip(args[::2], args[1::2], strict=True))
+
+    fsdp, fl = settings("FSDP"), settings("FL+FSDP")
+    assert fsdp.pop("--fed_group_size") == "2" and fl.pop("--fed_group_size") == "1"  # 1 × 2 ranks; 2 groups × 1
+    assert fl.pop("--fed_sync_steps") == "4" and fsdp == fl  # every other setting the same: the same tokens
+    assert fsdp["--model_name_or_path"] == "smollm2-135m-instruct" and fsdp["--block_size"] == "64"
+    base = pretrained.run_args(cfg, "base", 0)
+    assert " ".join(base).count("--max_steps 0 --num_train_epochs 0") == 1  # evaluated by the recipe, untrained
+
+    def run(method: str, seed: int, ppl: float) -> dict:
+        return {"method": method, "seed": seed, "eval_perplexity": ppl, "setup": pretrained.SETUP[method],
+                "s_per_step": None if method == "base" else 2.0, "peak_rss_bytes_per_rank": [1e9, 2e9]}  # fmt: skip
+
+    runs = [run("base", 0, 80.0), run("FSDP", 0, 40.0), run("FL+FSDP", 0, 38.0), run("FSDP", 1, 44.0),
+            run("FL+FSDP", 1, 45.1)]  # fmt: skip
+    summary = pretrained.summarize({"config": asdict(cfg), "runs": runs})
+    assert summary["fl_over_fsdp"] == pytest.approx([0.95, 1.025])  # paired by seed
+    assert summary["verdict"] == (
+        "lower perplexity: not settled, lower than FSDP's for some seeds and not for others; no worse (≤ 1.05× FSDP's "
+        "for every seed): met"
+    )
+    rows = {r["method"]: r for r in summary["rows"]}
+    assert rows["FL+FSDP"]["eval_perplexity"] == pytest.approx({"median": 41.55, "min": 38.0, "max": 45.1, "n": 2})
+    assert rows["FSDP"]["vs_base"]["median"] == pytest.approx(0.525)
+    assert (rows["FSDP"]["batch_samples"], rows["FL+FSDP"]["batch_samples"]) == (8, 4)
+    assert pretrained.verdict([0.9, 0.99]).startswith("lower perplexity: reproduced, lower than FSDP's for every seed")
+    assert pretrained.verdict([1.0, 1.05]).endswith("not lower than FSDP's for any seed; no worse (≤ 1.05× FSDP's "
+                                                   "for every seed): met")  # fmt: skip
+    assert pretrained.verdict([0.9, 1.06]).endswith("missed")
+    smollm2 = [p for p in pretrained.projection() if p["model"] == "SmolLM2-135M"]  # the real model's count
+    assert len(smollm2) == 2 and {p["params"] for p in smollm2} == {134_515_008}
+    with pytest.raises(ValueError, match="--steps=30 must be a positive multiple of H = --sync-steps 4"):
+        pretrained.PretrainedConfig(steps=30).validate()
+    with pytest.raises(ValueError, match="--eval-samples=48 must be a positive multiple of 2 ranks"):
+        pretrained.PretrainedConfig(eval_samples=48).validate()
+    with pytest.raises(ValueError, match="--seeds is empty"):
+        pretrained.PretrainedConfig(seeds=()).validate()
 
 
 def test_stream_quality_ratios_are_paired_by_seed_and_taken_at_the_report_steps():
