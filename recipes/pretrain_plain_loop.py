@@ -41,6 +41,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--outer_optimizer", default="fedavg", choices=["fedavg", "nesterov"])
     parser.add_argument("--sync_dtype", default="float32", choices=["float32", "bfloat16", "int8"])
     parser.add_argument("--sync_overlap", type=int, default=0, help="τ: steps an exchange runs behind training.")
+    parser.add_argument(
+        "--round_policy", default="steps", choices=["steps", "speed"],
+        help="speed: each group trains the share of a round its speed allows (fed_round_policy).",
+    )  # fmt: skip
     parser.add_argument("--model_size", default="tiny", choices=list(PRESETS))
     parser.add_argument(
         "--model_name_or_path", default=None, help=f"Start from this model (folder, Hub id, or {SMOLLM2} offline)."
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.learning_rate)
     averager = FederatedAverager(
         model, optimizer, mesh, sync_steps=opts.sync_steps, outer_optimizer=opts.outer_optimizer,
-        sync_dtype=opts.sync_dtype, sync_overlap=opts.sync_overlap,
+        sync_dtype=opts.sync_dtype, sync_overlap=opts.sync_overlap, round_policy=opts.round_policy,
     )  # fmt: skip
     batches = dict(batch_size=opts.batch_size, collate_fn=default_data_collator, drop_last=True)
     train = accelerator.prepare(DataLoader(blocks["train"].with_format("torch"), shuffle=True, **batches))
@@ -111,10 +115,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     while step < opts.max_steps:
         train.set_epoch(epoch)
         for batch in train:
-            loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            if averager.should_train:  # always, but past a slow group's share of a speed-aware round
+                loss = model(**batch).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
             averager.step()
             step += 1
             if step % opts.logging_steps == 0:

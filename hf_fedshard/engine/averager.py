@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from hf_fedshard.engine.communicator import FederationCommunicator, Round
-from hf_fedshard.engine.control import Norms, agree
+from hf_fedshard.engine.control import Agreement, Norms, agree
 from hf_fedshard.engine.counters import Counters
 from hf_fedshard.engine.exchange import Exchange
 from hf_fedshard.engine.failures import explain_failures
@@ -58,6 +58,7 @@ from hf_fedshard.engine.pieces import PieceExchange
 from hf_fedshard.engine.resumable import check_state, continue_history
 from hf_fedshard.engine.rounds import run_round
 from hf_fedshard.engine.settings_history import History, history_from_state, history_to_state
+from hf_fedshard.engine.speed import RoundPlan, RoundSpeeds
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.notices import notice
 
@@ -72,8 +73,9 @@ class _Exchanged:
 
     diverged: list[int]
     published: tuple[float, float] | None  # the previous averaging's norms, from this one's control all-reduce
+    speeds: RoundSpeeds | None  # a speed-aware round's agreed reports
     contribute: bool
-    contributors: int
+    contributors: float
     deltas: list[list[torch.Tensor]]  # per fragment, this rank's Δ as sent
     means: list[list[torch.Tensor]]  # per fragment, the mean Δ
     plain: list[torch.Tensor]  # the plain means of the rest of the payload
@@ -94,11 +96,16 @@ class FederatedAverager:
         communicator: the cross-group collectives a transport gives (`hf_fedshard.engine.communicator`), or a
             function that builds them from the checked options (how `hf_fedshard.FederatedAverager` turns a mesh
             into the one-job transport's).
-        sync_steps … timeout_s: the ``fed_*`` settings without the prefix (`FedShardArgumentsMixin` documents each).
+        sync_steps … min_round_steps: the ``fed_*`` settings without the prefix (`FedShardArgumentsMixin` documents
+            each).
         before_eval: called on every rank before the global model is lent for an evaluation that sees the groups
             differ, while each group still holds its own model (the Trainer's per-group evaluation).
         average_initial_weights: ``False`` when a `load_state_dict` follows (a resume), which must then come
             before the first `step`.
+        clock: seconds, monotonic: what a speed-aware round measures its steps with (tests pass their own).
+
+    With ``round_policy="speed"`` the loop asks `should_train` before each step and, where it is ``False``, takes
+    the step's batch without training on it, then calls `step` as ever (`hf_fedshard.engine.speed`).
     """
 
     def __init__(
@@ -119,14 +126,17 @@ class FederatedAverager:
         sync_overlap: int = 0,
         outer_state_on_device: bool = False,
         timeout_s: float | None = None,
+        round_policy: str = "steps",
+        min_round_steps: int = 1,
         before_eval: Callable[[], None] | None = None,
         average_initial_weights: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         options = AveragingOptions(
             sync_steps=sync_steps, average_optimizer_state=average_optimizer_state, outer_optimizer=outer_optimizer,
             outer_lr=outer_lr, outer_momentum=outer_momentum, sync_dtype=sync_dtype, split_exchange=split_exchange,
             sync_fragments=sync_fragments, sync_overlap=sync_overlap, outer_state_on_device=outer_state_on_device,
-            timeout_s=timeout_s,
+            timeout_s=timeout_s, round_policy=round_policy, min_round_steps=min_round_steps,
         )  # fmt: skip
         self.options, self.schedule, self.settings = options, options.schedule, options.settings
         trainable = _check_model_and_optimizer(model, optimizer, mesh)
@@ -163,6 +173,7 @@ class FederatedAverager:
         self.fragments = [
             Fragment(i, a, b, OuterOptimizer(params[a:b], lr, momentum, device)) for i, (a, b) in enumerate(ranges)
         ]
+        self.rounds = RoundPlan(sync_steps, min_round_steps, clock) if options.speed_aware else None
         self._describe(trainable, device)
         if self.comm.membership is not None:  # a joining group heals from this group's state of the last commit
             self.comm.membership.heal.register("averager", self.peer_state, self.load_peer_state)
@@ -185,7 +196,20 @@ class FederatedAverager:
                 "the groups would start from different anchors. Load a checkpoint's state first, or construct it "
                 "with average_initial_weights=True."
             )
+        if self.rounds is not None:
+            self.rounds.stepped(self.step_count + 1)
         self.step_count += 1
+        self._after_step(evaluating, last)
+        if self.rounds is not None:
+            self.rounds.restart_clock()
+
+    @property
+    def should_train(self) -> bool:
+        """Whether this group trains the next step: always, but in a speed-aware round past the group's H_g."""
+        return self.rounds is None or self.rounds.trains(self.step_count + 1)
+
+    def _after_step(self, evaluating: bool, last: bool) -> None:
+        """`step`'s work once the step is counted: apply, start or run the averaging the schedule gives for it."""
         step = self.step_count
         flight = self._in_flight()
         if flight is not None and flight.in_flight.apply_step == step:
@@ -288,6 +312,8 @@ class FederatedAverager:
         """Take a live peer's `peer_state` (same layout and settings): model, anchors, outer state, counters."""
         load_model_state(self.model, state["model"])
         self.load_state_dict(state["averager"])
+        if self.rounds is not None:  # the peer's plan is its own speed's
+            self.rounds.forget()
 
     def metrics(self) -> dict[str, float]:
         """The ``fed_*`` values to log (``fed_delta_norm`` and ``fed_group_drift`` are the averaging's before the
@@ -312,6 +338,7 @@ class FederatedAverager:
             "synced_at": [f.averaged_at for f in self.fragments],
             "averaging": history_to_state(self.settings_history),
             "pending_norms": None if self._norms is None else asdict(self._norms),
+            "round_steps_planned": None if self.rounds is None else self.rounds.steps,
         }
         flight = self._in_flight()
         in_flight = None
@@ -346,6 +373,9 @@ class FederatedAverager:
         if state["in_flight"] is not None:
             flight = InFlight.from_state_dict(state["in_flight"])
             self.fragments[flight.fragment].in_flight = flight
+        if self.rounds is not None:  # this round's plan; a checkpoint of fed_round_policy steps trains all H
+            self.rounds.forget()
+            self.rounds.steps = int(counters.get("round_steps_planned") or self.schedule.sync_steps)
         pending = counters.get("pending_norms")
         self._norms = None if pending is None else Norms(**pending)
         saved = history_from_state(counters["averaging"]) if "averaging" in counters else None
@@ -381,21 +411,34 @@ class FederatedAverager:
     ) -> _Exchanged:
         """The collectives of a blocking averaging, changing no state: the agreement on the whole ``payload``, Δ's
         mean, the plain means."""
-        diverged, published = self._agree_values(payload)
-        contribute, contributors = self._contribution(diverged)
+        agreed = self._agree_values(payload, round_report=True)
+        contribute, contributors = self._contribution(agreed.diverged)
+        scale, weighted = self._speed_weights(agreed, contributors)
         addresses = self._payload_addresses()
         deltas, means, sent = [], [], 0
         with self._explain():
             for index in indices:
                 fragment = self.fragments[index]
                 fragment_deltas = self._deltas(fragment.outer, fragment.of(params), contribute)
-                mean, nbytes = self.exchange.mean(fragment_deltas, contributors, fragment.of(addresses))
+                sending = fragment_deltas if scale == 1 else [d * scale for d in fragment_deltas]
+                mean, nbytes = self.exchange.mean(sending, weighted, fragment.of(addresses))
                 deltas.append(fragment_deltas)
                 means.append(mean)
                 sent += nbytes
         plain = others if self.comm.membership is None else [t.clone() for t in others]
         self._plain_mean(plain, addresses[len(addresses) - len(others) :], contributors, contribute)
-        return _Exchanged(diverged, published, contribute, contributors, deltas, means, plain, sent)
+        return _Exchanged(agreed.diverged, agreed.published, agreed.speeds, contribute, contributors, deltas, means,
+                          plain, sent)  # fmt: skip
+
+    def _speed_weights(self, agreed: Agreement, contributors: int) -> tuple[float, float]:
+        """(what this rank multiplies its Δ by, what the exchange divides the sum by): with a speed-aware round's
+        speeds, the steps its group trained and Σ over the contributing groups of w_g × s_g
+        (`hf_fedshard.engine.speed`); else 1 and the contributing groups' weight."""
+        if agreed.speeds is None:
+            return 1.0, contributors
+        weights, trained = self.comm.group_weights, agreed.speeds.trained
+        total = sum(w * s for g, (w, s) in enumerate(zip(weights, trained, strict=True)) if g not in agreed.diverged)
+        return trained[self.comm.group], total
 
     def _apply_exchanged(
         self,
@@ -407,6 +450,9 @@ class FederatedAverager:
     ) -> None:
         """The outer step of each fragment on its mean Δ, the plain means adopted, the averaging counted."""
         self._publish(result.published)
+        if result.speeds is not None:
+            self.counters.round_steps = round(result.speeds.trained[self.comm.group])
+            self.rounds.next_round(result.speeds, self.comm.group)
         self.counters.inter_group_bytes += result.sent
         with torch.no_grad():
             for index, mean in zip(indices, result.means, strict=True):
@@ -483,16 +529,23 @@ class FederatedAverager:
 
     def _agree(self, tensors: list[torch.Tensor]) -> list[int]:
         """The averaging's control all-reduce: which groups hold a NaN/Inf in ``tensors``; publishes the norms."""
-        diverged, published = self._agree_values(tensors)
-        self._publish(published)
-        return diverged
+        agreed = self._agree_values(tensors)
+        self._publish(agreed.published)
+        return agreed.diverged
 
-    def _agree_values(self, tensors: list[torch.Tensor]) -> tuple[list[int], tuple[float, float] | None]:
-        """`_agree`'s collective alone: (the diverged groups, the norms it would publish)."""
+    def _agree_values(self, tensors: list[torch.Tensor], round_report: bool = False) -> Agreement:
+        """`_agree`'s collective alone, changing nothing but the time counted in it: where ``round_report`` (it
+        ends a round, and carries a speed-aware round's report) that time is the wait for the slowest group
+        (``fed_barrier_seconds_total``)."""
         self._wait_in_flight()
         device = tensors[0].device if tensors else _device_of(self.model)
+        report = self.rounds.report(self.step_count) if round_report and self.rounds is not None else None
+        begin = time.perf_counter()
         with self._explain():
-            return agree(self.comm, all_finite(tensors), self._norms, device, self.step_count)
+            agreed = agree(self.comm, all_finite(tensors), self._norms, device, self.step_count, report)
+        if round_report:
+            self.counters.total_barrier_seconds += time.perf_counter() - begin
+        return agreed
 
     def _publish(self, published: tuple[float, float] | None) -> None:
         if published is not None:
@@ -652,6 +705,11 @@ class FederatedAverager:
         """Say once, on rank 0, how the model is averaged and the outer state's memory per rank."""
         sizes = " / ".join(f"{sum(p.numel() for p in trainable[f.start : f.stop]) / 1e6:.2f}" for f in self.fragments)
         timing = f"each behind {self.schedule.overlap} step(s)" if self.schedule.overlap else "blocking"
+        if self.rounds is not None:
+            timing += (
+                f", speed-aware rounds (each group trains {self.rounds.min_steps}–{self.schedule.sync_steps} of the "
+                f"{self.schedule.sync_steps} steps of a round, by its speed)"
+            )
         notice(
             "averaging with %s: %d fragment(s) of whole FSDP units (%s M parameters), %s; outer state (anchor%s) "
             "%.1f MB per rank on %s",

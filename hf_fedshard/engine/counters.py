@@ -18,6 +18,8 @@ class Counters:
     diverged_groups: int = 0
     delta_norm: float = 0.0
     group_drift: float = 0.0
+    total_barrier_seconds: float = 0.0  # in the averagings' control all-reduce: the wait for the slowest group
+    round_steps: int = 0  # a speed-aware round's: the steps this group trained in the last round
 
     def count(self, blocked_s: float, waited_s: float) -> None:
         """One more averaging, which held the training loop ``blocked_s`` (``waited_s`` of it on the network)."""
@@ -35,6 +37,8 @@ class Counters:
             "fed_diverged_groups": self.diverged_groups,
             "fed_delta_norm": self.delta_norm,
             "fed_group_drift": self.group_drift,
+            "fed_barrier_seconds_total": round(self.total_barrier_seconds, 6),
+            **({"fed_round_steps": self.round_steps} if self.round_steps else {}),
         }
 
     def state_dict(self) -> dict[str, float]:

@@ -12,6 +12,7 @@ from hf_fedshard.engine.codec import SYNC_DTYPES
 from hf_fedshard.engine.fragments import Schedule
 from hf_fedshard.engine.outer import OUTER_OPTIMIZERS, outer_hyperparameters
 from hf_fedshard.engine.settings_history import AveragingSettings
+from hf_fedshard.engine.speed import ROUND_POLICIES
 from hf_fedshard.errors import ConfigError
 
 
@@ -30,6 +31,8 @@ class AveragingOptions:
     sync_overlap: int = 0
     outer_state_on_device: bool = False
     timeout_s: float | None = None
+    round_policy: str = "steps"
+    min_round_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.sync_steps < 1:
@@ -43,6 +46,7 @@ class AveragingOptions:
                 "above the longest expected wait of one group for the others (or leave it unset)."
             )
         self._check_outer_settings()
+        self._check_round_policy()
 
     def _check_outer_settings(self) -> None:
         if self.outer_optimizer not in OUTER_OPTIMIZERS:
@@ -73,6 +77,28 @@ class AveragingOptions:
             raise ConfigError(
                 f"fed_outer_momentum={momentum}: it must be in [0, 1). Set --fed_outer_momentum to e.g. 0.9."
             )
+
+    def _check_round_policy(self) -> None:
+        if self.round_policy not in ROUND_POLICIES:
+            raise ConfigError(
+                f"fed_round_policy={self.round_policy!r} is unknown. Set --fed_round_policy to one of "
+                f"{', '.join(ROUND_POLICIES)}."
+            )
+        if not 1 <= self.min_round_steps <= self.sync_steps:
+            raise ConfigError(
+                f"fed_min_round_steps={self.min_round_steps} must be in [1, fed_sync_steps={self.sync_steps}]: the "
+                "fewest of a round's steps a slow group trains. Set --fed_min_round_steps within it."
+            )
+        if self.round_policy == "speed" and self.schedule.streaming:
+            raise ConfigError(
+                "fed_round_policy speed plans whole rounds, which fed_sync_fragments/fed_sync_overlap cut up: set "
+                "--fed_sync_fragments 1 --fed_sync_overlap 0, or --fed_round_policy steps."
+            )
+
+    @property
+    def speed_aware(self) -> bool:
+        """Whether each group trains the steps its speed allows (``fed_round_policy speed``)."""
+        return self.round_policy == "speed"
 
     @property
     def outer(self) -> tuple[float, float]:

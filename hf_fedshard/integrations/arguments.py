@@ -26,6 +26,7 @@ from hf_fedshard.engine.fragments import Schedule
 from hf_fedshard.engine.options import AveragingOptions
 from hf_fedshard.engine.outer import NESTEROV_DEFAULTS, OUTER_OPTIMIZERS
 from hf_fedshard.engine.settings_history import AveragingSettings
+from hf_fedshard.engine.speed import ROUND_POLICIES
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.timeouts import start_world_process_group
 from hf_fedshard.notices import notice as _notice
@@ -76,6 +77,15 @@ class FedShardArgumentsMixin:
             (new anchor + the local progress made meanwhile). 0 blocks; must be below H/F.
         fed_outer_state_on_device (`bool`, defaults to `False`): keep the anchors and outer momentum of CUDA
             shards on the GPU; by default they live in pinned CPU memory.
+
+    Groups of different speeds (docs/speed_aware_rounds.md):
+        fed_round_policy (`str`, defaults to `"steps"`): `"steps"`: every group trains all H steps of a round, and
+            the faster groups wait for the slowest at every averaging. `"speed"`: each group trains as many of
+            the round's H steps as its measured speed allows (the fastest all H, a group half as fast H/2) and
+            reads past the rest of the round's batches untrained, so the groups reach the averaging together;
+            the mean of Δ is weighted by the samples each group trained. `max_steps`, the LR schedule,
+            evaluations, checkpoints and the data position keep counting the federation's steps.
+        fed_min_round_steps (`int`, defaults to 1): with `"speed"`, the fewest of a round's steps a group trains.
 
     Evaluation:
         fed_eval_per_group (`bool`, defaults to `False`): at each evaluation during training, first evaluate
@@ -183,6 +193,18 @@ class FedShardArgumentsMixin:
     fed_outer_state_on_device: bool = field(
         default=False,
         metadata={"help": "Keep CUDA anchors and outer momentum on the GPU (default: pinned CPU memory)."},
+    )
+    fed_round_policy: str = field(
+        default="steps",
+        metadata={
+            "help": "steps: every group trains all fed_sync_steps of a round (the others wait for the slowest); "
+            "speed: each group trains as many as its measured speed allows, so they arrive together.",
+            "choices": list(ROUND_POLICIES),
+        },
+    )
+    fed_min_round_steps: int = field(
+        default=1,
+        metadata={"help": "fed_round_policy speed: the fewest of a round's steps a slow group trains."},
     )
     fed_eval_per_group: bool = field(
         default=False,
@@ -297,6 +319,8 @@ class FedShardArgumentsMixin:
             sync_overlap=self.fed_sync_overlap,
             outer_state_on_device=self.fed_outer_state_on_device,
             timeout_s=self.fed_timeout_s,
+            round_policy=self.fed_round_policy,
+            min_round_steps=self.fed_min_round_steps,
         )
 
     @property

@@ -58,6 +58,11 @@ class FedAvgCallback(TrainerCallback):
         """The ``fed_*`` values to log (none before training)."""
         return self.averager.metrics() if self.averager else {}
 
+    @property
+    def trains_next_step(self) -> bool:
+        """Whether this group trains the step being taken (`FederatedAverager.should_train`; before training: yes)."""
+        return self.averager is None or self.averager.should_train
+
     @contextlib.contextmanager
     def global_model(self, evaluating: bool = False) -> Iterator[None]:
         """`FederatedAverager.global_model`; before training every group holds the model it was given."""

@@ -139,6 +139,7 @@ class FedShardMixin(Trainer):
         self._batches_per_epoch: int | None = None  # Trainer's steps_in_epoch (each rank's batches), if it has one
         self._resume_record: tuple[dict, int] | None = None  # the resumed checkpoint's fed_layout.json and step
         self._resumed_position: DataPosition | None = None  # where the data resumes (the record's, not the step's)
+        self._last_loss = torch.tensor(math.nan)  # a step this group does not train logs its last trained loss
         super().__init__(*args, **kwargs)
         if self.args.fed_evaluates_groups and (
             isinstance(self.eval_dataset, dict) or not has_length(self.eval_dataset)
@@ -243,15 +244,30 @@ class FedShardMixin(Trainer):
         # Per-step metric gathers in compute_loss (TRL's token accuracy, entropy) stay inside the group.
         if self.fed_callback is None:
             return super().training_step(*args, **kwargs)
+        if self._untrained_step:
+            return self._last_loss.to(self.args.device, copy=True)
         with gathers_within_group(self.accelerator, self._group_pg if self._group_size > 1 else None):
-            return super().training_step(*args, **kwargs)
+            loss = super().training_step(*args, **kwargs)
+        self._last_loss = loss.detach()
+        return loss
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         # Without clipping (max_grad_norm 0) Trainer measures the norm, a collective, only to log it: not on steps
-        # that do not log (a step a callback alone chooses to log has no grad_norm).
+        # that do not log (a step a callback alone chooses to log has no grad_norm), nor on untrained ones.
+        if self._untrained_step:
+            return None
         if grad_norm is None and not self._logs_after_this_step():
             return None
         return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        # An untrained step has no gradient to clip (and its group must not enter the norm's collective).
+        return None if self._untrained_step else super()._clip_grad_norm(model)
+
+    @property
+    def _untrained_step(self) -> bool:
+        """Whether this group reads the step being taken without training on it (``fed_round_policy speed``)."""
+        return self.fed_callback is not None and not self.fed_callback.trains_next_step
 
     def _logs_after_this_step(self) -> bool:
         """Whether Trainer's own schedule (`DefaultFlowCallback`) logs the optimizer step now being taken."""

@@ -15,6 +15,7 @@ job restarted by ``torchrun --max-restarts`` runs clean:
     --kill_while_saving_step 4 --fault_rank 1  SIGKILL rank 1 after it wrote its shards of checkpoint-4
     --stop_at_step 5 --fault_rank 3            SIGSTOP rank 3 as step 5 begins (prints its pid and "stopping at <time>")
     --sleep_group 1 --sleep_at_step 2          group 1 sleeps --sleep_s seconds as step 2 begins
+    --slow_group 1 --slow_step_s 0.5           group 1 sleeps 0.5 s before each step it trains (a slower group)
     --nan_at 3:1 5:0,1                         a NaN in group 1's first shard after step 3, in both after 5
     --hold_at_step 10 --hold_until F           wait as step 10 begins until file F exists (--restart_marker F:
                                                a restarted launch creates F as it starts)
@@ -78,6 +79,8 @@ class ScriptArguments:
     sleep_group: int | None = field(default=None, metadata={"help": "Federation group that sleeps."})
     sleep_at_step: int = field(default=2, metadata={"help": "Step at whose beginning sleep_group sleeps."})
     sleep_s: float = field(default=90.0, metadata={"help": "Seconds sleep_group sleeps."})
+    slow_group: int | None = field(default=None, metadata={"help": "Federation group slowed on every step it trains."})
+    slow_step_s: float = field(default=0.0, metadata={"help": "Seconds slow_group sleeps before each trained step."})
     record_eval_params: bool = field(
         default=False, metadata={"help": "Keep each group's full parameters at every evaluation, before averaging."}
     )
@@ -201,6 +204,21 @@ class Faults(TrainerCallback):
         if self.group in groups and first_rank_of_group:
             param = next(model.parameters())
             (param.to_local() if isinstance(param, DTensor) else param).view(-1)[0] = math.nan
+
+
+class Pace(TrainerCallback):
+    """Records the steps this group trains (``fed_round_policy speed`` passes over the rest) and slows
+    ``--slow_group`` on each of them; runs after FedAvgCallback."""
+
+    def __init__(self, trainer: FedShardTrainer, script: ScriptArguments, group: int) -> None:
+        self.trainer, self.script, self.group, self.trained = trainer, script, group, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.trainer.fed_callback is None or not self.trainer.fed_callback.trains_next_step:
+            return
+        self.trained.append(state.global_step + 1)
+        if self.group == self.script.slow_group:
+            time.sleep(self.script.slow_step_s)
 
 
 class EvalParamsRecorder:
@@ -376,6 +394,8 @@ def main(argv: list[str] | None = None) -> None:
         trainer.callback_handler.callbacks.insert(0, prepared)
     if isinstance(trainer, FedShardTrainer):
         trainer.add_callback(Faults(script, args.process_index, args.fed_group_index(args.process_index)))
+        pace = Pace(trainer, script, args.fed_group_index(args.process_index))
+        trainer.add_callback(pace)
     eval_params = EvalParamsRecorder(trainer) if script.record_eval_params else None
     resume = ResumeRecorder(trainer) if script.record_resume else None
     if resume is not None:
@@ -401,6 +421,7 @@ def main(argv: list[str] | None = None) -> None:
         "eval": metrics,
         "seen": seen,
         "checksums": recorder.checksums,
+        "trained": pace.trained if isinstance(trainer, FedShardTrainer) else None,
         "started_at_step": recorder.started_at_step,
         "resumed": resume.state if resume else None,
         "fed_counters": averager.state_dict()["counters"] if averager else None,

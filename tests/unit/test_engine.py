@@ -341,7 +341,7 @@ def test_a_state_dict_round_trip_resumes_exactly(options, stop):
     resumed = run_federation(GROUPS, rank_fn)
     straight = engine_run(12, **options)
     assert_groups_equal_reference(resumed, [s[0] for s in straight])
-    timing = {"last_sync_seconds", "total_sync_seconds", "total_wait_seconds"}
+    timing = {"last_sync_seconds", "total_sync_seconds", "total_wait_seconds", "total_barrier_seconds"}
     for r, s in zip(resumed, straight, strict=True):
         got, want = ({k: v for k, v in x[1].state_dict()["counters"].items() if k not in timing} for x in (r, s))
         assert got == want

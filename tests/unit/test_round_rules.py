@@ -39,7 +39,8 @@ def control(norms: dict[int, Norms | None], steps: dict[int, int]) -> list:
 
     def rank_fn(comm: FederationCommunicator):
         g = comm.group
-        return agree(comm, True, norms[g], torch.device("cpu"), steps[g])
+        agreed = agree(comm, True, norms[g], torch.device("cpu"), steps[g])
+        return agreed.diverged, agreed.published
 
     return run_federation(3, rank_fn)
 
