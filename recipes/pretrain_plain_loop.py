@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, default_data_collator, set_seed
 
 from hf_fedshard import FederatedAverager, FederationLayout
-from hf_fedshard.errors import exit_on_config_error
+from hf_fedshard.errors import ConfigError, exit_on_config_error
 from hf_fedshard.integrations.file_modes import follow_umask
 from hf_fedshard.tools.data import load_text, pack, train_bpe_tokenizer
 from hf_fedshard.tools.models import PRESETS, SMOLLM2, build_model, resolve_model
@@ -105,6 +105,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train = accelerator.prepare(DataLoader(blocks["train"].with_format("torch"), shuffle=True, **batches))
     evaluation = blocks["validation"].select(range(min(opts.max_eval_samples, len(blocks["validation"]))))
     eval_loader = accelerator.prepare(DataLoader(evaluation.with_format("torch"), **batches))
+    if len(eval_loader) == 0:  # the same length on every rank: all refuse alike, before any step
+        raise ConfigError(
+            f"max_eval_samples={opts.max_eval_samples} gives no full eval batch of batch_size={opts.batch_size} per "
+            f"rank on {accelerator.num_processes} ranks. Raise --max_eval_samples to at least "
+            f"{opts.batch_size * accelerator.num_processes}."
+        )
     accelerator.print(f"{layout.describe()}; averaging every {opts.sync_steps} steps")
     before = {}
     if opts.eval_on_start:  # every group holds the global model here: the averager averaged the initial weights

@@ -203,6 +203,12 @@ class FederatedAverager:
         if self.rounds is not None:
             self.rounds.restart_clock()
 
+    def step_begins(self) -> None:
+        """Optional, before a step: a speed-aware round measures the step's duration from here (else from the last
+        `step`'s return), so what the loop does between steps (logging, evaluation, checkpoints) is left out."""
+        if self.rounds is not None:
+            self.rounds.restart_clock()
+
     @property
     def should_train(self) -> bool:
         """Whether this group trains the next step: always, but in a speed-aware round past the group's H_g."""
@@ -304,6 +310,7 @@ class FederatedAverager:
         references: a transport sends a copy."""
         state = self.state_dict()
         state["counters"]["pending_norms"] = None  # sums over a quorum without the joining group: not published
+        state["counters"]["round_steps_planned"] = None  # the source's plan is its speed's: the joiner trains all H
         anchors = [anchor for f in self.fragments for anchor in f.outer.anchor]
         buffers = [t.detach().clone() for t in model_state_tensors(self.model)[self._trainable :]]
         return {"model": anchors + buffers, "averager": state}
@@ -312,8 +319,6 @@ class FederatedAverager:
         """Take a live peer's `peer_state` (same layout and settings): model, anchors, outer state, counters."""
         load_model_state(self.model, state["model"])
         self.load_state_dict(state["averager"])
-        if self.rounds is not None:  # the peer's plan is its own speed's
-            self.rounds.forget()
 
     def metrics(self) -> dict[str, float]:
         """The ``fed_*`` values to log (``fed_delta_norm`` and ``fed_group_drift`` are the averaging's before the

@@ -106,5 +106,5 @@ class RoundPlan:
         self._durations = []
 
     def forget(self) -> None:
-        """This group's speed is unknown (it healed from a peer): train all H until measured."""
+        """Start over: all H steps this round, no duration measured yet (a resume then sets its plan)."""
         self.steps, self._durations = self.sync_steps, []

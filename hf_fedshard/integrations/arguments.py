@@ -263,6 +263,7 @@ class FedShardArgumentsMixin:
                 self.fed_sync_steps,
                 self.max_steps,
             )
+        self._note_pace_setters(options.speed_aware and layout.federated)
         if self.fed_eval_per_group and not layout.equal:
             raise ConfigError(
                 f"fed_eval_per_group gathers each group's metrics over rank r of every group, which groups of unequal "
@@ -370,6 +371,18 @@ class FedShardArgumentsMixin:
     def fed_group_index(self, process_index: int) -> int:
         """The federation group of the rank ``process_index`` of this launch."""
         return self.fed_group_id if self.fed_launch_per_group else self.fed_layout.group_index(process_index)
+
+    def _note_pace_setters(self, speed_aware: bool) -> None:
+        """Under ``fed_round_policy speed`` in one job, Trainer's loss log (an all-gather over the world) is a barrier
+        across groups: at every log the faster groups wait for the slowest, which the policy exists to avoid."""
+        steps = self.logging_steps if self.logging_strategy == IntervalStrategy.STEPS else 0
+        if speed_aware and not self.fed_launch_per_group and steps and steps % self.fed_sync_steps:
+            _notice(
+                "fed_round_policy speed: logging_steps=%g is not a multiple of fed_sync_steps=%d, and Trainer's loss "
+                "log gathers over every group, so the faster groups wait for the slowest at each log. Set "
+                "--logging_steps to a multiple of %d.",
+                self.logging_steps, self.fed_sync_steps, self.fed_sync_steps,
+            )  # fmt: skip
 
     def _check_transport(self) -> None:
         """The transport's own settings, before any process group (one line each)."""

@@ -92,6 +92,9 @@ class FedAvgCallback(TrainerCallback):
         if self.before_eval is not None:
             self.before_eval()
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.averager.step_begins()
+
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         evaluating = control.should_evaluate or _epoch_evaluation_follows(args, state, control)
         self.averager.step(evaluating=evaluating, last=control.should_training_stop)

@@ -15,6 +15,7 @@ from ..launch import lighthouse, train_groups, train_tiny
 
 H, STEPS = 4, 12
 SPEED = ["--num_samples", "128", "--max_steps", str(STEPS), "--fed_sync_steps", str(H), "--fed_round_policy", "speed",
+         "--logging_steps", str(H),
          "--slow_group", "1", "--slow_step_s", "0.5", "--record_syncs", "true"]  # fmt: skip
 
 
@@ -33,6 +34,13 @@ def check_rounds(groups: list[list[dict]]) -> None:
         s = [sum(1 for step in trained[g] if end - H < step <= end) for g in range(2)]
         for r in range(len(groups[0])):
             sent = [groups[g][r]["sync_exchanges"][end][0] for g in range(2)]
+            for g in range(2):  # each rank sends s_g Δ_g: its shard (dim 0) of anchor − local, times the steps
+                dump = groups[g][r]
+                anchor = dump["sync_params"][end - H][1] if end > H else dump["sync_start"]
+                local = dump["sync_params"][end][0]
+                for i, name in enumerate(local):
+                    delta = (anchor[name] - local[name]).chunk(len(groups[g]))[r] * float(s[g])
+                    assert torch.equal(sent[g][i], delta), labelled(f"step {end} group {g} rank {r} {name}: s_g Δ_g")
             for i, mean in enumerate(groups[0][r]["sync_exchanges"][end][1]):
                 want = (sent[0][i] + sent[1][i]) / float(s[0] + s[1])
                 assert torch.equal(mean, want), labelled(f"step {end} rank {r} tensor {i}: mean of {s} steps")

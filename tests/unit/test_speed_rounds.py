@@ -6,15 +6,18 @@ bit; the plan a checkpoint and a heal restore; the rule's rounding and bounds; t
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
-from hf_fedshard import FederatedAverager
+from hf_fedshard import FederatedAverager, notices
 from hf_fedshard.engine.options import AveragingOptions
 from hf_fedshard.engine.speed import next_round_steps
 from hf_fedshard.errors import ConfigError
 
 from ..fake_communicator import run_federation
+from .test_arguments import parse
 from .test_engine import GROUPS, Reference, build, poison, train_step
 
 COST = (1.0, 2.0, 4.0)  # seconds per trained step of each group: H_g = 4, 2, 1 once measured
@@ -154,3 +157,25 @@ def test_a_checkpoint_keeps_the_rounds_plan_and_a_heal_forgets_it():
     assert [saved for saved, _, _ in results] == [4, 2, 1]
     assert [plan for _, plan, _ in results] == [(True, 4), (False, 2), (False, 1)]  # step 7: position 2
     assert [healed for _, _, healed in results] == [4, 4, 4]
+
+
+def test_the_settings_parse_and_a_log_that_would_pace_the_groups_is_named(
+    tmp_path, world4_no_setup, caplog, monkeypatch
+):
+    """From the command line to the engine's options; in one job a loss log between averagings (an all-gather over
+    every group) is named with its fix, once, and a log on averaging steps is not."""
+    monkeypatch.setattr(notices, "_said", set())
+    caplog.set_level(logging.WARNING, logger="hf_fedshard")
+    args = parse(tmp_path, "--fed_group_size", "2", "--fed_sync_steps", "4", "--fed_round_policy", "speed",
+                 "--fed_min_round_steps", "2", "--logging_steps", "3")  # fmt: skip
+    assert (args.fed_averaging_options.round_policy, args.fed_averaging_options.min_round_steps) == ("speed", 2)
+    said = [r.getMessage() for r in caplog.records if "fed_round_policy speed" in r.getMessage()]
+    assert said == [
+        "hf_fedshard: fed_round_policy speed: logging_steps=3 is not a multiple of fed_sync_steps=4, and Trainer's "
+        "loss log gathers over every group, so the faster groups wait for the slowest at each log. Set "
+        "--logging_steps to a multiple of 4."
+    ]
+    caplog.clear()
+    parse(tmp_path, "--fed_group_size", "2", "--fed_sync_steps", "4", "--fed_round_policy", "speed",
+          "--logging_steps", "8")  # fmt: skip
+    assert not [r for r in caplog.records if "fed_round_policy speed" in r.getMessage()]
