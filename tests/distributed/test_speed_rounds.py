@@ -14,9 +14,8 @@ from ..asserts import labelled
 from ..launch import lighthouse, train_groups, train_tiny
 
 H, STEPS = 4, 12
-SPEED = ["--num_samples", "128", "--max_steps", str(STEPS), "--fed_sync_steps", str(H), "--fed_round_policy", "speed",
-         "--logging_steps", str(H),
-         "--slow_group", "1", "--slow_step_s", "0.5", "--record_syncs", "true"]  # fmt: skip
+COMMON = ["--num_samples", "128", "--max_steps", str(STEPS), "--fed_sync_steps", str(H), "--logging_steps", str(H)]
+SPEED = [*COMMON, "--fed_round_policy", "speed", "--slow_group", "1", "--slow_step_s", "0.5", "--record_syncs", "true"]
 
 
 def check_rounds(groups: list[list[dict]]) -> None:
@@ -54,9 +53,14 @@ def check_rounds(groups: list[list[dict]]) -> None:
 
 @pytest.mark.timeout(600)
 def test_speed_rounds_in_one_job(tmp_path):
-    """The mesh: 2 groups × 2 ranks, H = 4, 12 steps."""
-    dumps = train_tiny(4, tmp_path, [*SPEED, "--fed_group_size", "2"], timeout_s=400)
+    """The mesh: 2 groups × 2 ranks, H = 4, 12 steps; each rank trains on the batches a run under ``steps`` reads at
+    the steps it trains (2 samples per step)."""
+    dumps = train_tiny(4, tmp_path / "speed", [*SPEED, "--fed_group_size", "2"], timeout_s=400)
     check_rounds([dumps[:2], dumps[2:]])
+    steps = train_tiny(4, tmp_path / "steps", [*COMMON, "--fed_group_size", "2"], timeout_s=400)
+    for r, (ours, theirs) in enumerate(zip(dumps, steps, strict=True)):  # the data position is the federation's
+        batches = [theirs["seen"][2 * (step - 1) : 2 * step] for step in ours["trained"]]
+        assert ours["seen"] == [i for batch in batches for i in batch], labelled(f"rank {r}: the samples trained")
     barrier = [h for h in dumps[0]["log_history"] if "fed_barrier_seconds_total" in h]
     assert barrier and barrier[-1]["fed_round_steps"] == H  # rank 0 is in the fast group
 
