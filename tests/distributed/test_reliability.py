@@ -48,7 +48,7 @@ def assert_same_run(runs: list[dict], reference: list[dict]) -> None:
         for name, value in ref["full_params"].items():
             torch.testing.assert_close(run["full_params"][name], value, atol=1e-6, rtol=1e-5, msg=labelled(name))
         assert run["eval"]["eval_perplexity"] == pytest.approx(ref["eval"]["eval_perplexity"], rel=1e-6)
-        timing = ("last_sync_seconds", "total_sync_seconds", "total_wait_seconds")
+        timing = ("last_sync_seconds", "total_sync_seconds", "total_wait_seconds", "total_barrier_seconds")
         assert {k: v for k, v in run["fed_counters"].items() if k not in timing} == {
             k: v for k, v in ref["fed_counters"].items() if k not in timing
         }
