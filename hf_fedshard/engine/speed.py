@@ -6,8 +6,8 @@ A round stays H = ``fed_sync_steps`` steps of the federation, averaged at the sa
 resume and a heal mean what they mean under ``steps``. Group g *trains* the first H_g steps of each round and
 passes over the rest: it reads their batches (its data position stays the federation's; a slow group leaves
 those batches untrained) but runs no forward, backward or optimizer step there (the Trainer's LR scheduler still
-steps). After each round, from τ_g, the median duration of the group's trained steps in that round (a median: an
-evaluation or a checkpoint inside a round does not move it)::
+steps). After each round, from τ_g, the median duration of the group's trained steps in that round and the one before
+(a median over two rounds: an evaluation or a checkpoint inside a round, or one noisy round, does not move it)::
 
     H_g' = clamp(⌊H · τ_min / τ_g + ½⌋, fed_min_round_steps, H)      τ_min: the fastest group's τ
 
@@ -78,7 +78,8 @@ class RoundPlan:
     def __init__(self, sync_steps: int, min_steps: int, clock: Callable[[], float] = time.perf_counter) -> None:
         self.sync_steps, self.min_steps, self.clock = sync_steps, min_steps, clock
         self.steps = sync_steps  # H_g of the current round
-        self._durations: list[float] = []
+        self._durations: list[float] = []  # this round's trained steps'
+        self._previous: list[float] = []  # the last round's
         self._since = clock()  # the end of the loop's previous call (or of the construction)
 
     def trains(self, step: int) -> bool:
@@ -98,13 +99,14 @@ class RoundPlan:
         """This round's at ``step``, its end (or the last step, which may end a round early), for the control
         all-reduce."""
         trained = min(self.steps, (step - 1) % self.sync_steps + 1)
-        return RoundReport(trained, statistics.median(self._durations) if self._durations else 0.0)
+        window = self._previous + self._durations
+        return RoundReport(trained, statistics.median(window) if window else 0.0)
 
     def next_round(self, speeds: RoundSpeeds, group: int) -> None:
         """The round committed: plan this group's next one from the agreed speeds."""
         self.steps = next_round_steps(self.sync_steps, self.min_steps, speeds.seconds_per_step)[group]
-        self._durations = []
+        self._previous, self._durations = self._durations, []
 
     def forget(self) -> None:
         """Start over: all H steps this round, no duration measured yet (a resume then sets its plan)."""
-        self.steps, self._durations = self.sync_steps, []
+        self.steps, self._durations, self._previous = self.sync_steps, [], []

@@ -13,7 +13,7 @@ import torch
 
 from hf_fedshard import FederatedAverager, notices
 from hf_fedshard.engine.options import AveragingOptions
-from hf_fedshard.engine.speed import next_round_steps
+from hf_fedshard.engine.speed import RoundPlan, RoundReport, RoundSpeeds, next_round_steps
 from hf_fedshard.errors import ConfigError
 
 from ..fake_communicator import run_federation
@@ -29,6 +29,25 @@ def test_the_rule_rounds_half_up_within_the_bounds_and_plans_all_h_where_unmeasu
     assert next_round_steps(8, 3, [1.0, 100.0]) == [8, 3]
     assert next_round_steps(5, 1, [1.0, 2.0]) == [5, 3]  # 2.5 rounds up (Python's round() would give 2)
     assert next_round_steps(8, 1, [0.0, 0.0]) == [8, 8]
+
+
+def test_a_groups_speed_is_the_median_of_its_trained_steps_over_two_rounds():
+    """H = 4: round 1 trains 4 steps of 1 s; round 2 (planned 2 steps) 3 s each, then 2 passed over in 0 s; round 3
+    one step of 3 s and one of 9 s: τ = median(1, 1, 1, 1) = 1, median(1, 1, 1, 1, 3, 3) = 1, then median(3, 3, 3, 9)
+    = 3 (round 1 left the window); the steps a group passes over are not measured."""
+    now = [0.0]
+    plan = RoundPlan(4, 1, clock=lambda: now[0])
+    reported = []
+    for step, (seconds, steps_next) in enumerate([(1, 0), (1, 0), (1, 0), (1, 2), (3, 0), (3, 0), (0, 0), (0, 2),
+                                                  (3, 0), (9, 0)], start=1):  # fmt: skip
+        plan.restart_clock()
+        now[0] += seconds
+        plan.stepped(step)
+        if steps_next or step == 10:
+            reported.append(plan.report(step))
+            plan.next_round(RoundSpeeds([4.0], [1.0]), 0)
+            plan.steps = steps_next or plan.steps
+    assert reported == [RoundReport(4, 1.0), RoundReport(2, 1.0), RoundReport(2, 3.0)]
 
 
 @pytest.mark.parametrize(
