@@ -397,6 +397,36 @@ def test_eval_offset_moves_evaluations_and_logs_past_the_apply():
     assert moved == [1, 9, 17, 20]  # τ = 1 past each multiple of 8, and the last step
 
 
+def test_target_stop_needs_the_loss_and_the_tokens_and_the_recorder_marks_untrained_steps():
+    trains = iter([True, False, True])
+    recorder = bench_train.StepRecorder(read_counters=False, trains=lambda: next(trains))
+    stop = bench_train.TargetStop(recorder, target_loss=5.0, target_tokens=1024, tokens_per_step=512)
+    state, control = TrainerState(), TrainerControl()
+    recorder.on_train_begin(None, state, control)
+    reached = []
+    for step, loss in [(1, 4.0), (2, 4.0), (3, 5.5), (3, 5.0)]:
+        if step > state.global_step:
+            state.global_step = step
+            recorder.on_step_begin(None, state, control)
+            recorder.on_step_end(None, state, control)
+        stop.on_evaluate(None, state, control, metrics={"eval_loss": loss})
+        reached.append(control.should_training_stop)
+    assert [s["trained"] for s in recorder.steps] == [True, False, True]
+    # step 1: 512 tokens; step 2 passed over: still 512; step 3: 1024, but the loss 5.5; then 5.0: stop
+    assert reached == [False, False, False, True]
+    assert bench_train.world_sum(3.0) == 3.0  # no process group: the rank's own value
+
+
+def test_start_gate_waits_for_go(tmp_path):
+    args = type("Args", (), {"process_index": 3})()
+    (tmp_path / "go").touch()
+    bench_train.StartGate(str(tmp_path)).on_train_begin(args, None, None)
+    assert (tmp_path / "ready3").exists()
+    (tmp_path / "go").unlink()
+    with pytest.raises(RuntimeError, match="did not start us"):
+        bench_train.StartGate(str(tmp_path), timeout_s=0.05).on_train_begin(args, None, None)
+
+
 # ---- goodput.py and elastic_demo.py: fault injection, committed group-steps, stalls ----
 
 
