@@ -19,7 +19,11 @@ difference is what the model, its gradients, optimizer state and training added.
 ``rank<R>.json`` into ``--record_dir``. With ``--budget_s``, `BudgetStop` ends training at the first evaluation
 whose training clock has reached the budget, at the same step on every rank, and ``--eval_offset_steps`` moves
 the evaluations past an overlapped exchange's apply (benchmarks/time_to_quality.py). With ``--progress_log``,
-`ProgressLog` appends each event as it happens (benchmarks/goodput.py kills launches mid-run).
+`ProgressLog` appends each event as it happens (benchmarks/goodput.py kills launches mid-run). Each step's record says
+whether this rank trained it (``trained``: false for a step a speed-aware round passes over); with ``--target_loss``,
+`TargetStop` ends training at the first evaluation at or below that loss once ``--target_tokens`` trained tokens are
+reached, and ``--start_gate`` holds every rank before its first step until the study lets it go
+(benchmarks/speed_rounds.py: each group's CPU quota is set in between).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +85,22 @@ class BenchArguments:
         metadata={"help": "With --progress_log: stop at the first averaging step at or past the step this file holds "
                   "once it exists (the fault studies end every group of a run at one step)."},
     )  # fmt: skip
+    target_loss: float = field(
+        default=0.0,
+        metadata={"help": "> 0: stop at the first evaluation whose eval loss (the largest over ranks) is at or below "
+                  "this and at which --target_tokens trained tokens are reached; --budget_s stays a cap."},
+    )  # fmt: skip
+    target_tokens: int = field(
+        default=0,
+        metadata={"help": "With --target_loss: the trained tokens, summed over every rank, the run must also reach "
+                  "(a step a speed-aware round passes over trains none)."},
+    )  # fmt: skip
+    start_gate: str = field(
+        default="",
+        metadata={"help": "A folder: when training begins each rank writes ready<R> there and waits for the file go "
+                  "before its first step and its training clock (benchmarks/speed_rounds.py sets each group's CPU "
+                  "quota in between, so start-up runs unthrottled)."},
+    )  # fmt: skip
 
 
 def uplink_bytes() -> dict[str, int]:
@@ -114,9 +135,13 @@ class StepRecorder(TrainerCallback):
     last bytes it sent may still sit in the socket and qdisc queues. The clock is read before that wait.
     """
 
-    def __init__(self, read_counters: bool, rack_namespace: str | None = None) -> None:
+    def __init__(
+        self, read_counters: bool, rack_namespace: str | None = None, trains: Callable[[], bool] | None = None
+    ) -> None:
         self.read_counters = read_counters
         self.rack_namespace = rack_namespace
+        self.trains = trains or (lambda: True)  # whether this rank trains the step being taken (speed-aware rounds)
+        self._trained = True
         self.steps: list[dict] = []
         self.evals: list[dict] = []
         self.paused_s = 0.0  # evaluation and logging time, left out of the training clock
@@ -152,13 +177,15 @@ class StepRecorder(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._begin_s = self._now()
+        self._trained = self.trains()
 
     def on_step_end(self, args, state, control, **kwargs):
         now = self._now()
         end = {"t": now, **self.counters(drain=control.should_evaluate or control.should_training_stop)}
         sync = self.sync_begin or end
         record = {"step": state.global_step, "begin_s": self._begin_s, "end_s": now,
-                  "train_clock_s": now - self.paused_s, "sync_s": now - sync["t"]}  # fmt: skip
+                  "train_clock_s": now - self.paused_s, "sync_s": now - sync["t"],
+                  "trained": self._trained}  # fmt: skip
         for key in ("tx_bytes", "rx_bytes", "rack_tx_bytes", "rack_rx_bytes"):
             if key in end:
                 record[key] = end[key] - self._mark[key]
@@ -199,10 +226,19 @@ class EvalOffset(TrainerCallback):
 
 def world_max(value: float) -> float:
     """The largest ``value`` over every rank of the world (the value itself without a process group)."""
+    return _world_reduce(value, torch.distributed.ReduceOp.MAX)
+
+
+def world_sum(value: float) -> float:
+    """The sum of ``value`` over every rank of the world (the value itself without a process group)."""
+    return _world_reduce(value, torch.distributed.ReduceOp.SUM)
+
+
+def _world_reduce(value: float, op) -> float:
     if not torch.distributed.is_initialized():
         return value
     tensor = torch.tensor([value], dtype=torch.float64)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    torch.distributed.all_reduce(tensor, op=op)
     return tensor.item()
 
 
@@ -222,6 +258,44 @@ class BudgetStop(TrainerCallback):
             return
         if world_max(self.recorder.steps[-1]["train_clock_s"]) >= self.budget_s:
             control.should_training_stop = True
+
+
+class TargetStop(TrainerCallback):
+    """Stops training at the first evaluation at which the eval loss is down to ``target_loss`` and the world has
+    trained ``target_tokens`` tokens, on every rank at once.
+
+    The largest eval loss over the ranks and the sum of their trained tokens (one all-reduce each) make the decision
+    the same everywhere; added before the `StepRecorder`, like `BudgetStop`, so both run inside the evaluation's
+    pause. A step this rank passed over (a speed-aware round past its group's share) trains no token.
+    """
+
+    def __init__(self, recorder: StepRecorder, target_loss: float, target_tokens: int, tokens_per_step: int) -> None:
+        self.recorder, self.target_loss, self.target_tokens = recorder, target_loss, target_tokens
+        self.tokens_per_step = tokens_per_step
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if state.global_step == 0:
+            return
+        trained = sum(s["trained"] for s in self.recorder.steps) * self.tokens_per_step
+        if world_max(metrics["eval_loss"]) <= self.target_loss and world_sum(trained) >= self.target_tokens:
+            control.should_training_stop = True
+
+
+class StartGate(TrainerCallback):
+    """Holds every rank at the start of training until the study says go: writes ``ready<R>`` into ``folder`` and
+    waits for ``folder/go`` (at most ``timeout_s``). Added before the `StepRecorder`, whose clock starts after it."""
+
+    def __init__(self, folder: str, timeout_s: float = 600.0) -> None:
+        self.folder, self.timeout_s = Path(folder), timeout_s
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"ready{args.process_index}").touch()
+        deadline = time.monotonic() + self.timeout_s
+        while not (self.folder / "go").exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {self.folder / 'go'} within {self.timeout_s:g} s: the study did not start us")
+            time.sleep(0.02)
 
 
 class LocalSGDCallback(TrainerCallback):
@@ -248,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(bench.data_dir, "tokenizer"))
     set_seed(args.seed)
     rss_before_model_kib = memory_kib("VmRSS")
-    model = build_model(bench.model_size, len(tokenizer), len(data["train"][0]["input_ids"]))
+    block_size = len(data["train"][0]["input_ids"])
+    model = build_model(bench.model_size, len(tokenizer), block_size)
     params = sum(p.numel() for p in model.parameters())
     # Accelerate's FSDP2 keeps the [final norm, output head] unit unsharded after forward: gathered once per step.
     once_params = sum(p.numel() for name, p in model.named_parameters() if name.startswith(("lm_head.", "model.norm.")))
@@ -265,7 +340,9 @@ def main(argv: list[str] | None = None) -> None:
         flow = next(i for i, c in enumerate(callbacks) if isinstance(c, DefaultFlowCallback))
         callbacks.insert(flow + 1, EvalOffset(bench.eval_offset_steps))
     first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    recorder = StepRecorder(first_on_node, os.environ.get(RACK_NETNS_ENV) if first_on_node else None)
+    fed_callback = trainer.fed_callback  # the speed-aware round's plan says which steps this rank trains
+    trains = (lambda: fed_callback.trains_next_step) if fed_callback is not None else None
+    recorder = StepRecorder(first_on_node, os.environ.get(RACK_NETNS_ENV) if first_on_node else None, trains)
     averaging = LocalSGDCallback(trainer, bench.local_sgd_steps) if bench.local_sgd_steps else trainer.fed_callback
     if averaging is not None:  # (re-)added after the stamp, so the stamp runs right before it
         if averaging is trainer.fed_callback:
@@ -277,6 +354,11 @@ def main(argv: list[str] | None = None) -> None:
             trainer.fed_callback = None  # the ideal never averages, not even temporarily for an evaluation
     if bench.budget_s > 0:
         trainer.add_callback(BudgetStop(recorder, bench.budget_s))  # before the recorder: inside the eval's pause
+    if bench.target_loss > 0:
+        tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * block_size
+        trainer.add_callback(TargetStop(recorder, bench.target_loss, bench.target_tokens, tokens_per_step))
+    if bench.start_gate:  # before the recorder: its clock starts once every rank is let go
+        trainer.add_callback(StartGate(bench.start_gate))
     trainer.add_callback(recorder)
     if bench.progress_log:  # last: its averaging events follow the averaging
         fed_metrics = trainer.fed_callback.metrics if trainer.fed_callback is not None else dict

@@ -41,7 +41,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +52,7 @@ RACK_NETNS_ENV = "FEDSHARD_RACK_NETNS"  # set for the first node of each rack: w
 BURST_S = 0.010  # token bucket of 10 ms of traffic: tc-tbf(8) needs at least rate / HZ
 QUEUE_LATENCY_MS = 50  # tbf drops what would wait longer than this in its queue
 _NAME = re.compile(r"^fsb(\d+)(?:n\d+|sw\d+|core)$")
+Wrap = Callable[[int, list[str]], list[str]]  # (node, its whole command) -> the command to run instead
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -270,19 +271,24 @@ class Cluster:
             for node in range(self.nodes)
         ]  # fmt: skip
 
-    def launch(self, node: int, argv: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    def launch(
+        self, node: int, argv: Sequence[str], env: dict[str, str], log: Path, wrap: Wrap | None = None
+    ) -> subprocess.Popen:
         """Start ``argv`` inside ``node``'s namespace, in its own process group, output to ``log``.
 
         gloo is pointed at the uplink (``GLOO_SOCKET_IFNAME``): the only interface that reaches the other nodes.
         The first node of each rack of a three-tier cluster is told its rack switch's namespace
-        (``FEDSHARD_RACK_NETNS``), where it reads the rack's trunk counters.
+        (``FEDSHARD_RACK_NETNS``), where it reads the rack's trunk counters. ``wrap(node, command)`` may wrap the
+        whole command, ``ip netns exec`` included: what must happen outside the namespace's own view of ``/sys``
+        (`cpu_quota.CpuGroups.wrap` enters a cgroup, which ``ip netns exec``'s fresh ``/sys`` no longer shows).
         """
         rack = self.rack_of(node)
         reads_rack = {RACK_NETNS_ENV: self.switch(rack)} if self.racks > 1 and node % self.nodes_per_rack == 0 else {}
         named = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.namespace(node)]
+        command = ["ip", "netns", "exec", self.namespace(node), *(named if self.hostnames else []), *argv]
         with open(log, "w") as out:
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", self.namespace(node), *(named if self.hostnames else []), *argv],
+                wrap(node, command) if wrap is not None else command,
                 env={**os.environ, "GLOO_SOCKET_IFNAME": UPLINK, **env, **reads_rack},
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -291,13 +297,24 @@ class Cluster:
         self._procs.append(proc)
         return proc
 
-    def run(self, commands: Sequence[Sequence[str]], env: dict[str, str], logs: Sequence[Path], timeout_s: float):
+    def run(
+        self,
+        commands: Sequence[Sequence[str]],
+        env: dict[str, str],
+        logs: Sequence[Path],
+        timeout_s: float,
+        tick: Callable[[], None] | None = None,
+        wrap: Wrap | None = None,
+    ):
         """Run one command per node to completion; return the exit codes.
 
         Raises ``TimeoutError`` after ``timeout_s`` (having killed every process), and stops the other nodes as
-        soon as one fails, since its peers would otherwise wait for it until the collective timeout.
+        soon as one fails, since its peers would otherwise wait for it until the collective timeout. ``tick`` is
+        called at every poll (every 0.2 s) while they run: a study's hook (benchmarks/speed_rounds.py starts its
+        ranks' training from there); what it raises stops the run as a failure does. ``wrap``: as `launch`'s.
         """
-        procs = [self.launch(node, cmd, env, log) for node, (cmd, log) in enumerate(zip(commands, logs, strict=True))]
+        procs = [self.launch(node, cmd, env, log, wrap)
+                 for node, (cmd, log) in enumerate(zip(commands, logs, strict=True))]  # fmt: skip
         deadline = time.monotonic() + timeout_s
         try:
             while None in (codes := [p.poll() for p in procs]):
@@ -305,6 +322,8 @@ class Cluster:
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the run did not finish within {timeout_s:.0f} s; logs: {list(map(str, logs))}")
+                if tick is not None:
+                    tick()
                 time.sleep(0.2)
         finally:
             self._kill()

@@ -1,6 +1,6 @@
 """The benchmark studies end to end, as users run them (``python -m benchmarks.<study>`` from the repository's root),
-each at its smallest honest size: every study's --help; as root with iproute2, the tiers benchmark, the time-to-quality
-and goodput studies on a tiny emulated cluster; the elastic demo and the layout-change study on localhost.
+each at its smallest honest size: every study's --help; as root with iproute2, the tiers benchmark, the time-to-quality,
+speed-rounds and goodput studies on a tiny emulated cluster; the elastic demo and the layout-change study on localhost.
 
 The tiers benchmark and the time-to-quality study train on the same tokenized prefix of the text: one data cache for
 the session (``data_cache``), prepared by whichever runs first."""
@@ -140,6 +140,45 @@ def test_time_to_quality_study_runs_on_a_tiny_cluster(tmp_path, data_cache):
     fsdp = results["summary"]["methods"]["FSDP"]
     assert fsdp["time_to_FSDP"]["reached"] and fsdp["time_to_FSDP"]["reached"][0] <= BUDGET_S
     assert "| FL+FSDP |" in (out / "results.md").read_text()
+    assert (out / "perplexity_vs_time.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(600)
+@NETNS
+def test_speed_rounds_study_slows_one_group_and_compares_both_policies(tmp_path, data_cache):
+    """The study's quick mode as users run it, shorter (a 8 s budget, cap 2.5 × B): the all-fast run, then the slow
+    group 2× slower under ``steps`` and ``speed``, each group's launch in a cgroup with its quota; every rank of a run
+    stops at one step, the slow group is slower for real, passes over steps under ``speed`` only, and every
+    namespace and cgroup is removed.
+
+    Over 60 s (about 140 s here): three real runs on the 4-node cluster, each with its start-up of about 20 s."""
+    out = tmp_path / "out"
+    args = ["--quick", "--budget-s", 8, "--max-train-lines", 3000, "--out", out, "--work", tmp_path / "work",
+            "--data-cache", data_cache]  # fmt: skip
+    proc, out_text = run_study("speed_rounds", args, timeout_s=540)
+    assert proc.returncode == 0, out_text[-6000:]
+    assert not [name for name in list_namespaces() if name.startswith(f"fsb{proc.pid}")]
+    assert not list(Path("/sys/fs/cgroup/cpu").glob(f"fsb{proc.pid}q*"))
+
+    results = json.loads((out / "results.json").read_text())
+    runs = results["reps"][0]["runs"]
+    assert list(runs) == ["all fast", "2× slower, steps", "2× slower, speed"]
+    figures = results["summary"]["runs"]
+    for label, run in runs.items():
+        assert len(run["stop_step_per_rank"]) == 1, label
+        assert all(g["barrier_s"] is not None for g in run["groups"]), label  # every rank records its idle time
+        steps = run["stop_step_per_rank"][0]
+        slow = run["groups"][3]
+        assert (slow["trained_steps"] < steps) == label.endswith("speed"), (label, slow["trained_steps"], steps)
+        if label.endswith("speed"):  # the steps each rank recorded as trained, as the library counted them
+            assert [g["round_plan"][-1] for g in run["groups"]] == [g["fed_round_steps"] for g in run["groups"]]
+        assert run["cores"] == ([0.4] * 4 if label == "all fast" else [0.4, 0.4, 0.4, 0.2])
+    for label in ("2× slower, steps", "2× slower, speed"):
+        assert figures[label]["slowdown_achieved"]["median"] > 1.2, label  # the quota slows it, for real
+        assert runs[label]["throttled_share"][3] > 0.3, label
+    assert results["summary"]["target_ppl"]["median"] > 1 and results["summary"]["targets"]
+    table = (out / "results.md").read_text()
+    assert "| all fast | " in table and "| 2× | " in table
     assert (out / "perplexity_vs_time.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -2,7 +2,8 @@
 time-to-quality studies' run shapes, spreads, the √-lr rule, the three-tier report's predictions and targets, the
 overlap targets on medians over repetitions, the time-to-quality curves (interpolation, time to reach, the budget stop
 without evaluation time), the goodput study's fault schedule and committed group-steps, the layout-change study's
-loss bump; and the tiers benchmark's figures (windows, perplexity at equal time, variants and their targets).
+loss bump, the speed-rounds study's trained tokens, time to the target, perplexity at equal tokens and its stop at the
+target; and the tiers benchmark's figures (windows, perplexity at equal time, variants and their targets).
 tests/studies/ runs the studies themselves end to end."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from transformers import TrainerControl, TrainerState
 
 from benchmarks import goodput, overhead, overlap, pretrained, quality, scaling
 from benchmarks import layout_change as lc
+from benchmarks import speed_rounds as sr
 from benchmarks import stream_quality as sq
 from benchmarks import time_to_quality as ttq
 from benchmarks.harness import RESULTS, bench_train, faults, progress, results_folder
@@ -395,6 +397,165 @@ def test_eval_offset_moves_evaluations_and_logs_past_the_apply():
         offset.on_step_end(None, state, control)
         moved += [step] if control.should_evaluate and control.should_log else []
     assert moved == [1, 9, 17, 20]  # τ = 1 past each multiple of 8, and the last step
+
+
+# ---- speed_rounds.py: trained tokens, time to the target, perplexity at equal tokens, the slow group's plan ----
+
+SR_CFG = {"groups": 2, "factors": [2.0], "budget_s": 3.0, "cap_factor": 3.0, "sync_steps": 2, "batch_size": 1,
+          "block_size": 2}  # fmt: skip
+# Evaluations every H = 2 steps: losses 8, 6, 5, 4.5 (the same per step in every run: the same data and seed).
+SR_LOSSES = [8.0, 6.0, 5.0, 4.5]
+
+
+def sr_records(s_per_step: float, trained: list[list[bool]], compute_s: list[float], barrier_s: list[float]) -> list:
+    """Records of a 2-group run (a rank each) of ``len(trained[0])`` steps, ``s_per_step`` of training clock each on
+    rank 0; group g's trained steps take ``compute_s[g]`` (an untrained one 0.01 s), an averaging 0.25 s more."""
+    records = []
+    for rank, flags in enumerate(trained):
+        steps, t = [], 0.0
+        for k, flag in enumerate(flags, start=1):
+            sync = 0.25 if k % 2 == 0 else 0.0
+            took = (compute_s[rank] if flag else 0.01) + sync
+            steps.append({"step": k, "begin_s": t, "end_s": t + took, "sync_s": sync, "trained": flag,
+                          "train_clock_s": s_per_step * k})  # fmt: skip
+            t += took
+        evals = [{"step": k, "train_clock_s": s_per_step * k, "eval_loss": SR_LOSSES[k // 2]}
+                 for k in range(0, len(flags) + 1, 2)]  # fmt: skip
+        records.append({"rank": rank, "steps": steps, "evals": evals if rank == 0 else [],
+                        "fed": {"fed_barrier_seconds_total": barrier_s[rank]}})  # fmt: skip
+    return records
+
+
+def sr_repetition() -> dict:
+    """All fast (1 s a step, stopped at the first evaluation past the 3 s budget), 2× slower under steps (2 s a
+    step) and under speed (1 s a step; the slow group trains 1 of each round's 2 steps after the first)."""
+    fast = sr.run_summary(sr_records(1.0, [[True] * 4] * 2, [0.5, 0.5], [0.5, 0.5]), SR_CFG, limit_s=3.0)
+    sync = sr.run_summary(sr_records(2.0, [[True] * 6] * 2, [0.5, 1.0], [6.0, 0.25]), SR_CFG, limit_s=9.0)
+    speed_flags = [[True] * 6, [True, True, True, False, True, False]]
+    speed = sr.run_summary(sr_records(1.0, speed_flags, [0.5, 1.0], [1.0, 0.5]), SR_CFG, limit_s=9.0)
+    for run in (fast, sync, speed):
+        run["throttled_share"] = [0.1, 0.5]
+    runs = {sr.FAST: fast, sr.run_label(2.0, "steps"): sync, sr.run_label(2.0, "speed"): speed}
+    machine = {label: {"other_processes_cores": 0.25} for label in runs}
+    return {"runs": runs, "target": sr.target_of(fast), "machine": {"after_each_run": machine}}
+
+
+def test_speed_rounds_counts_only_the_tokens_each_group_trained():
+    speed = sr_records(1.0, [[True] * 6, [True, True, True, False, True, False]], [0.5, 1.0], [1.0, 0.5])
+    assert sr.world_trained_tokens(speed, tokens_per_step=2) == [0, 4, 8, 12, 14, 18, 20]  # 2 then 1 group a step
+    summary = sr.run_summary(speed, SR_CFG, limit_s=9.0)
+    assert [e["trained_tokens"] for e in summary["evals"]] == [0, 8, 14, 20]
+    assert (summary["trained_tokens"], summary["tokens_per_s"], summary["train_clock_at_stop_s"]) == (20, 20 / 6, 6.0)
+    slow = summary["groups"][1]
+    assert slow["round_plan"] == [2, 1, 1] and slow["trained_steps"] == 4 and slow["barrier_s"] == 0.5
+    assert (summary["groups"][0]["s_per_trained_step"], slow["s_per_trained_step"]) == (0.5, 1.0)  # averaging out
+    assert sr.slowdown(summary, slow_group=1) == 2.0
+    assert sr.settled_plan(summary, 1) == [1, 1] and sr.expected_plan(summary, 2, slow_group=1) == 1  # ⌊2 · ½ + ½⌋
+    assert sr.step_spread(speed[1]["steps"]) == 0.0  # every trained step of the slow group took 1 s
+    assert sr.round_plan(speed[1]["steps"][:5], 2) == [2, 1]  # a round cut short by the stop is left out
+
+
+def test_speed_rounds_target_and_equal_tokens_are_read_between_the_same_evaluations():
+    rep = sr_repetition()
+    fast = rep["runs"][sr.FAST]
+    # The budget, 3 s, lies halfway between the evaluations at 2 s (6.0, 8 tokens) and 4 s (5.0, 16 tokens).
+    assert rep["target"] == {"loss": 5.5, "tokens": 12.0}
+    assert sr.loss_at_tokens(fast, 12.0) == 5.5  # the all-fast run's own loss at the reference tokens: the target
+    assert sr.time_to_target(fast, 5.5) == 3.0
+    sync, speed = rep["runs"][sr.run_label(2.0, "steps")], rep["runs"][sr.run_label(2.0, "speed")]
+    assert sr.time_to_target(sync, 5.5) == 6.0  # 6.0 at 4 s, 5.0 at 8 s
+    assert sr.time_to_target(speed, 5.5) == 3.0
+    assert sr.loss_at_tokens(sync, 12.0) == 5.5
+    assert sr.loss_at_tokens(speed, 11.0) == 5.5  # 6.0 at 8 tokens, 5.0 at 14: fewer tokens per step
+    assert sr.loss_at_tokens(speed, 21.0) is None  # not reached
+    assert sr.time_to_target(speed, 4.0) is None
+
+
+def test_speed_rounds_compares_each_pair_per_repetition_and_judges_the_targets():
+    reps = [sr_repetition(), sr_repetition()]
+    summary = sr.combine(reps, SR_CFG)
+    pair = summary["pairs"]["2"]
+    first = pair["per_repetition"][0]
+    assert (first["sync_over_speed_time"], first["speed_over_fast_time"], first["sync_reached"]) == (2.0, 1.0, True)
+    assert first["ppl_ratio_equal_tokens"] == pytest.approx(math.exp((6.0 - 4 / 6) - 5.5))  # 5.33 against 5.5
+    speed = summary["runs"][sr.run_label(2.0, "speed")]
+    assert speed["slow_plan"] == sr.spread([1, 1]) and speed["expected_slow_plan"] == sr.spread([1, 1])
+    assert speed["barrier_share"][0] == sr.spread([1 / 6, 1 / 6])
+    met = {t["target"].split(": ")[1].split(" (")[0]: (t["measured"], t["met"]) for t in summary["targets"]}
+    assert met == {
+        "speed-aware reaches the target ≥ 1.5× sooner than synchronous": (2.0, True),
+        "speed-aware within 15% of the all-fast federation's time": (1.0, True),
+        "perplexity at equal tokens within 2% of synchronous": (pytest.approx(math.exp(-1 / 6)), True),
+    }
+    # A synchronous run that never reached the target: its ratio is a lower bound, the cap (9 s) ÷ speed's time.
+    sync = sr.run_label(2.0, "steps")
+    for rep in reps:
+        rep["runs"][sync]["evals"] = [{**e, "eval_loss": 7.0} for e in rep["runs"][sync]["evals"]]
+    summary = sr.combine(reps, SR_CFG)
+    assert summary["pairs"]["2"]["sync_over_speed_time"] == sr.spread([3.0, 3.0])
+    assert summary["targets"][0]["lower_bound"] and summary["targets"][0]["met"]
+    assert summary["pairs"]["2"]["ppl_ratio_equal_tokens"] == sr.spread([math.exp(6.0 - 4 / 6 - 7.0)] * 2)
+    results = {"config": {**SR_CFG, "model_size": "micro", "rate_mbit": 100.0, "learning_rate": 2e-3,
+                          "fast_cores": 0.4, "period_ms": 10.0},
+               "repeats": 2, "summary": summary, "reps": reps,
+               "machine_before": {"loadavg_1_5_15": [0.1, 0.2, 0.3], "cpus": 2}}  # fmt: skip
+    table = sr.markdown(results)
+    assert f"| {sync} | not reached in 9 s | 2 | 1096.6 | 2.00 |" in table  # 24 tokens in 12 s; exp(7): flat at 7.0
+    assert "| 2× | ≥ 3.00 (sync not reached within the cap) | 1.00 | 0.19 |" in table
+    assert "| 2× slower, speed | 3.0 | 3 | 207.1 | 2.00 | 0.500 / 1.000 | 1.0 / 0.5 | 17% / 8% | 1.0 (1) |" in table
+    assert "groups 0: 0.4 of a core each; group 1: the same ÷ F." in table
+
+
+def test_speed_rounds_runs_share_arguments_and_refuse_quotas_past_the_cores(monkeypatch):
+    cfg = sr.config_from_args(sr.make_parser().parse_args([]))
+    assert [(r.label, r.factor, r.policy) for r in sr.plan(cfg)] == [
+        ("all fast", 1.0, "steps"), ("2× slower, steps", 2.0, "steps"), ("2× slower, speed", 2.0, "speed"),
+        ("4× slower, steps", 4.0, "steps"), ("4× slower, speed", 4.0, "speed")]  # fmt: skip
+    assert cfg.cores(4.0) == [0.4, 0.4, 0.4, 0.1] and cfg.timeout_s == cfg.cap_s + 300
+    fast, speed = sr.plan(cfg)[0], sr.plan(cfg)[2]
+    assert sr.run_args(cfg, fast, None) == ["--fed_group_size", "1", "--fed_sync_steps", "8", "--fed_round_policy",
+                                            "steps", "--budget_s", "60"]  # fmt: skip
+    assert sr.run_args(cfg, speed, {"loss": 6.25, "tokens": 1000.5})[4:] == [
+        "--fed_round_policy", "speed", "--budget_s", "180", "--target_loss", "6.25", "--target_tokens",
+        "1001"]  # fmt: skip
+    quick = sr.config_from_args(sr.make_parser().parse_args(["--quick"]))
+    assert (quick.factors, quick.budget_s, quick.repeats, quick.cap_s) == ((2.0,), 15.0, 1, 37.5)
+    monkeypatch.setattr(sr.os, "cpu_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"0.4 × 4 groups = 1.6 cores must stay below this machine's 1"):
+        cfg.validate()
+    monkeypatch.setattr(sr.os, "cpu_count", lambda: 2)
+    with pytest.raises(ValueError, match="under the kernel's 1 ms minimum quota"):
+        sr.SpeedConfig(factors=(8.0,)).validate()  # 0.05 of a core of a 10 ms period: 0.5 ms
+
+
+def test_target_stop_needs_the_loss_and_the_tokens_and_the_recorder_marks_untrained_steps():
+    trains = iter([True, False, True])
+    recorder = bench_train.StepRecorder(read_counters=False, trains=lambda: next(trains))
+    stop = bench_train.TargetStop(recorder, target_loss=5.0, target_tokens=1024, tokens_per_step=512)
+    state, control = TrainerState(), TrainerControl()
+    recorder.on_train_begin(None, state, control)
+    reached = []
+    for step, loss in [(1, 4.0), (2, 4.0), (3, 5.5), (3, 5.0)]:
+        if step > state.global_step:
+            state.global_step = step
+            recorder.on_step_begin(None, state, control)
+            recorder.on_step_end(None, state, control)
+        stop.on_evaluate(None, state, control, metrics={"eval_loss": loss})
+        reached.append(control.should_training_stop)
+    assert [s["trained"] for s in recorder.steps] == [True, False, True]
+    # step 1: 512 tokens; step 2 passed over: still 512; step 3: 1024, but the loss 5.5; then 5.0: stop
+    assert reached == [False, False, False, True]
+    assert bench_train.world_sum(3.0) == 3.0  # no process group: the rank's own value
+
+
+def test_start_gate_waits_for_go(tmp_path):
+    args = type("Args", (), {"process_index": 3})()
+    (tmp_path / "go").touch()
+    bench_train.StartGate(str(tmp_path)).on_train_begin(args, None, None)
+    assert (tmp_path / "ready3").exists()
+    (tmp_path / "go").unlink()
+    with pytest.raises(RuntimeError, match="did not start us"):
+        bench_train.StartGate(str(tmp_path), timeout_s=0.05).on_train_begin(args, None, None)
 
 
 # ---- goodput.py and elastic_demo.py: fault injection, committed group-steps, stalls ----
