@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.harness.netns import alive
+
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 _NAME = re.compile(r"^fsb(\d+)q\d+$")
 
@@ -37,16 +39,6 @@ def unavailable(root: Path = CPU_ROOT) -> str | None:
     if not (root / "cpu.cfs_quota_us").exists():
         return f"no cgroup v1 cpu controller at {root}"
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove(path: Path, root: Path) -> bool:
@@ -71,7 +63,7 @@ def remove_stale(root: Path = CPU_ROOT) -> list[str]:
     removed = []
     for path in root.glob("fsb*q*"):
         match = _NAME.match(path.name)
-        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))) and _remove(path, root):
+        if match and int(match.group(1)) != os.getpid() and not alive(int(match.group(1))) and _remove(path, root):
             removed.append(path.name)
     return removed
 

@@ -65,7 +65,8 @@ def list_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a leftover's owner that died leaves it to be cleaned up)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -80,7 +81,7 @@ def remove_stale_namespaces() -> list[str]:
     removed = []
     for name in list_namespaces():
         match = _NAME.match(name)
-        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+        if match and int(match.group(1)) != os.getpid() and not alive(int(match.group(1))):
             _ip("netns", "del", name, check=False)
             shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
             removed.append(name)
@@ -89,12 +90,14 @@ def remove_stale_namespaces() -> list[str]:
 
 @contextlib.contextmanager
 def handle_termination() -> Iterator[None]:
-    """Turn SIGTERM and SIGHUP into ``SystemExit`` (as Ctrl-C is a ``KeyboardInterrupt``) so ``finally`` runs."""
+    """Turn SIGTERM and SIGHUP into ``SystemExit`` and SIGINT into ``KeyboardInterrupt`` so ``finally`` runs. SIGINT
+    too: a process started in the background by a shell inherits it ignored, and Python then leaves it so."""
 
     def _exit(signum: int, _frame) -> None:
         raise SystemExit(128 + signum)
 
     previous = {sig: signal.signal(sig, _exit) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
