@@ -44,14 +44,17 @@ def start_torchrun(
     hang of an 8-rank launch under it is understood). False starts each rank in a fresh interpreter, as plain
     torchrun does (every launch does with ``HF_FEDSHARD_PLAIN_TORCHRUN=1``).
 
-    With ``max_restarts``, torchrun restarts the whole job after a failure; its rendezvous store is then not
-    shared with the workers, whose restarted process groups would otherwise read the dead ones' addresses
-    (pytorch/pytorch#135712), as docs/fault_tolerance.md tells users to do.
+    The workers never share torchrun's rendezvous store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; rank 0 hosts
+    theirs). A forked launcher serves that store on a thread whose every accepted connection runs ``getnameinfo``,
+    which holds glibc's resolver lock: a worker forked while an earlier one connects inherits the lock held and
+    waits for it forever in its first ``getaddrinfo`` (seen as an 8-rank launch hanging before any step, once in
+    ~10 launches on a loaded machine). With ``max_restarts`` the opt-out is also what docs/fault_tolerance.md tells
+    users to set: restarted process groups would otherwise read the dead ones' addresses (pytorch/pytorch#135712).
     """
     preloaded = preloaded and os.environ.get("HF_FEDSHARD_PLAIN_TORCHRUN") != "1"
     torchrun_args = ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", str(script),
                      *map(str, args)]  # fmt: skip
-    env = launch_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1" if max_restarts else "0")
+    env = launch_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     if preloaded and os.environ.get("HF_FEDSHARD_LAUNCH_SERVER") == "1":  # opt-in: an 8-rank launch hung once
         server, env["HF_FEDSHARD_LAUNCH_PIDS"] = _launch_server()
         cmd = [sys.executable, "-S", str(REPO / "tests" / "launch_client.py"), server, *torchrun_args]
@@ -101,9 +104,10 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> subprocess.CompletedProc
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        dump_stacks(proc)
         kill_tree(proc)
         out, _ = proc.communicate(timeout=60)
-        raise TimeoutError(f"{proc.args} hung for {timeout_s}s; output:\n{out[-4000:]}") from None
+        raise TimeoutError(f"{proc.args} hung for {timeout_s}s; output and stacks:\n{out[-20000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err or "")
 
 
@@ -129,6 +133,16 @@ class Background:
         if isinstance(self._outcome, BaseException):
             raise self._outcome
         return self._outcome
+
+
+def dump_stacks(proc: subprocess.Popen) -> None:
+    """Ask a hung launch's preloaded processes to print every thread's Python stack into its output (SIGUSR1, which
+    tests/preloaded_torchrun.py hands to faulthandler; a process without that handler just ends a little early).
+    A forked rank's stack starts with its launcher's frames, up to ``run_script``."""
+    for pid in descendants(proc.pid, _adopted()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(0.5)  # one at a time, so that their stacks do not interleave
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import json
 import os
 import runpy
@@ -66,6 +67,7 @@ def run_script(path: str, *args: str) -> None:
     for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(","):
         signal.signal(getattr(signal, name.strip()), signal.SIG_DFL)  # the agent's handlers, inherited by the fork
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # tests.launch.finish asks a hung rank for its stacks
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # a fresh interpreter's numpy starts from fresh entropy
     sys.argv = [path, *args]
@@ -86,6 +88,7 @@ def run_script(path: str, *args: str) -> None:
 def launch(argv: list[str]) -> int:
     """torchrun's own main, its workers forked from this process; the exit status python would give it."""
     torch.distributed.run.run_script_path = run_script  # what --run-path runs in each worker
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # tests.launch.finish asks a hung launch for its stacks
     try:
         torch.distributed.run.main(["--run-path", "--start-method", "fork", *argv])
     except SystemExit as exit:
