@@ -40,9 +40,10 @@ def start_torchrun(
     """Start ``script`` on ``nproc`` local CPU ranks (output piped); `finish` waits for it.
 
     ``preloaded`` forks the workers from a launcher that imported the libraries once (tests/preloaded_torchrun.py);
-    with ``HF_FEDSHARD_LAUNCH_SERVER=1`` the launcher too is forked, from one server per session (opt-in until the
-    hang of an 8-rank launch under it is understood). False starts each rank in a fresh interpreter, as plain
-    torchrun does (every launch does with ``HF_FEDSHARD_PLAIN_TORCHRUN=1``).
+    with ``HF_FEDSHARD_LAUNCH_SERVER=1`` the launcher too is forked, from one server per session (opt-in: with it,
+    tests/distributed/test_elastic.py's killed-group test ended with one group late at the last averaging in 3 of 8
+    runs of that file, not yet understood). False starts each rank in a fresh interpreter, as plain torchrun does
+    (every launch does with ``HF_FEDSHARD_PLAIN_TORCHRUN=1``).
 
     The workers never share torchrun's rendezvous store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; rank 0 hosts
     theirs). A forked launcher serves that store on a thread whose every accepted connection runs ``getnameinfo``,
@@ -55,7 +56,7 @@ def start_torchrun(
     torchrun_args = ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", str(script),
                      *map(str, args)]  # fmt: skip
     env = launch_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    if preloaded and os.environ.get("HF_FEDSHARD_LAUNCH_SERVER") == "1":  # opt-in: an 8-rank launch hung once
+    if preloaded and os.environ.get("HF_FEDSHARD_LAUNCH_SERVER") == "1":  # opt-in: see above
         server, env["HF_FEDSHARD_LAUNCH_PIDS"] = _launch_server()
         cmd = [sys.executable, "-S", str(REPO / "tests" / "launch_client.py"), server, *torchrun_args]
     elif preloaded:
@@ -139,7 +140,7 @@ def dump_stacks(proc: subprocess.Popen) -> None:
     """Ask a hung launch's preloaded processes to print every thread's Python stack into its output (SIGUSR1, which
     tests/preloaded_torchrun.py hands to faulthandler; a process without that handler just ends a little early).
     A forked rank's stack starts with its launcher's frames, up to ``run_script``."""
-    for pid in descendants(proc.pid, _adopted()):
+    for pid in launched(proc):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGUSR1)
             time.sleep(0.5)  # one at a time, so that their stacks do not interleave
@@ -147,9 +148,14 @@ def dump_stacks(proc: subprocess.Popen) -> None:
 
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a launch and every process below it (torchrun starts each worker in a session of its own)."""
-    for pid in [proc.pid, *descendants(proc.pid, _adopted())]:
+    for pid in [proc.pid, *launched(proc)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def launched(proc: subprocess.Popen) -> list[int]:
+    """Every process a launch started (its torchrun and workers), also where the launch server forked them."""
+    return descendants(proc.pid, _adopted())
 
 
 def _adopted() -> dict[int, int]:

@@ -16,10 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.harness.faults import descendants
-
 from ..asserts import labelled
-from ..launch import Background, finish, kill_tree, lighthouse, start_group
+from ..launch import Background, finish, kill_tree, launched, lighthouse, start_group
 
 FAST_SGD = ["--num_samples", "128", "--fed_sync_steps", "4", "--fed_timeout_s", "60", "--record_syncs", "false"]
 
@@ -104,7 +102,7 @@ def wait_until_a_worker_stops(launch: subprocess.Popen, timeout_s: float) -> Non
     """Until a process below ``launch`` is stopped (SIGSTOP: state ``T`` in /proc)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for pid in descendants(launch.pid, {}):
+        for pid in launched(launch):
             with contextlib.suppress(OSError):
                 if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
                     return
