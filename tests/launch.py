@@ -45,17 +45,14 @@ def start_torchrun(
     runs of that file, not yet understood). False starts each rank in a fresh interpreter, as plain torchrun does
     (every launch does with ``HF_FEDSHARD_PLAIN_TORCHRUN=1``).
 
-    The workers never share torchrun's rendezvous store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; rank 0 hosts
-    theirs). A forked launcher serves that store on a thread whose every accepted connection runs ``getnameinfo``,
-    which holds glibc's resolver lock: a worker forked while an earlier one connects inherits the lock held and
-    waits for it forever in its first ``getaddrinfo`` (seen as an 8-rank launch hanging before any step, once in
-    ~10 launches on a loaded machine). With ``max_restarts`` the opt-out is also what docs/fault_tolerance.md tells
-    users to set: restarted process groups would otherwise read the dead ones' addresses (pytorch/pytorch#135712).
+    With ``max_restarts``, torchrun restarts the whole job after a failure; its rendezvous store is then not
+    shared with the workers, whose restarted process groups would otherwise read the dead ones' addresses
+    (pytorch/pytorch#135712), as docs/fault_tolerance.md tells users to do.
     """
     preloaded = preloaded and os.environ.get("HF_FEDSHARD_PLAIN_TORCHRUN") != "1"
     torchrun_args = ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", str(script),
                      *map(str, args)]  # fmt: skip
-    env = launch_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = launch_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1" if max_restarts else "0")
     if preloaded and os.environ.get("HF_FEDSHARD_LAUNCH_SERVER") == "1":  # opt-in: see above
         server, env["HF_FEDSHARD_LAUNCH_PIDS"] = _launch_server()
         cmd = [sys.executable, "-S", str(REPO / "tests" / "launch_client.py"), server, *torchrun_args]

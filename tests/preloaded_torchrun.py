@@ -11,9 +11,16 @@ What a fork cannot give: every rank shares the launcher's string-hash seed (set 
 across ranks, where a real launch could disagree). A check that needs a fresh interpreter's own exit
 (tests/scripts/gloo_exit.py) or a restart's real start-up time is launched with plain torchrun instead.
 
-It leans on three internals: torchrun's ``run_script_path`` (what ``--run-path`` runs), ``threading._shutdown`` and
-``atexit._run_exitfuncs``. `require_internals` checks them before anything starts (tests/unit/test_launchers.py runs
-it too), so an upgrade that moves them fails loudly; ``HF_FEDSHARD_PLAIN_TORCHRUN=1`` then runs the suite on plain
+A forked worker waits until its launcher has forked all of them (`_fork_all_then_start`): the launcher serves
+torchrun's rendezvous store on a thread that runs ``getnameinfo`` for every connection it accepts, holding glibc's
+resolver lock, so a worker forked while an earlier one connected could inherit that lock held and wait for it
+forever in its first ``getaddrinfo`` (an 8-rank launch hung before its first step, about once in ten on a loaded
+machine).
+
+It leans on four internals: torchrun's ``run_script_path`` (what ``--run-path`` runs) and
+``MultiprocessContext._start`` (which forks the workers), ``threading._shutdown`` and ``atexit._run_exitfuncs``.
+`require_internals` checks them before anything starts (tests/unit/test_launchers.py runs it too), so an upgrade
+that moves them fails loudly; ``HF_FEDSHARD_PLAIN_TORCHRUN=1`` then runs the suite on plain
 torchrun (fresh interpreters, slower) until the launcher is adapted.
 
     python tests/preloaded_torchrun.py --standalone --nproc_per_node 4 /abs/path/script.py --arg value
@@ -40,9 +47,11 @@ import struct
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 
 import torch.distributed.run
 from accelerate import Accelerator  # noqa: F401 (preloaded for the workers)
+from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 from transformers import LlamaForCausalLM, Trainer  # noqa: F401 (preloaded for the workers)
 
 import hf_fedshard.integrations.trainer  # noqa: F401 (preloaded for the workers)
@@ -53,6 +62,8 @@ def require_internals() -> None:
     missing = []
     if "run_script_path" not in torch.distributed.run.config_from_args.__code__.co_names:
         missing.append("torch.distributed.run.config_from_args no longer runs run_script_path for --run-path")
+    if not callable(getattr(MultiprocessContext, "_start", None)):
+        missing.append("torch.distributed.elastic.multiprocessing.api.MultiprocessContext._start")
     missing += [f"{m.__name__}.{name}" for m, name in ((threading, "_shutdown"), (atexit, "_run_exitfuncs"))
                 if not callable(getattr(m, name, None))]  # fmt: skip
     if missing:
@@ -62,12 +73,37 @@ def require_internals() -> None:
         )
 
 
+_GATE: dict[str, int] = {}  # a pipe each forked worker reads until the launcher, done forking, closes its end
+
+
+def _fork_all_then_start(start: Callable[[MultiprocessContext], None]) -> Callable[[MultiprocessContext], None]:
+    """Wrap ``MultiprocessContext._start`` so that no worker starts before the last one is forked (see above)."""
+
+    def start_all(context: MultiprocessContext) -> None:
+        _GATE["read"], _GATE["write"] = os.pipe()
+        try:
+            start(context)
+        finally:
+            os.close(_GATE.pop("write"))
+            os.close(_GATE.pop("read"))
+
+    return start_all
+
+
+def _wait_for_siblings() -> None:
+    """In a forked worker: block until every write end of the gate is closed (EOF), its launcher's last."""
+    os.close(_GATE["write"])
+    os.read(_GATE["read"], 1)
+    os.close(_GATE["read"])
+
+
 def run_script(path: str, *args: str) -> None:
     """Run ``path`` with ``args`` in this (forked) worker as ``python path args`` would."""
     for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(","):
         signal.signal(getattr(signal, name.strip()), signal.SIG_DFL)  # the agent's handlers, inherited by the fork
     signal.signal(signal.SIGINT, signal.default_int_handler)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # tests.launch.finish asks a hung rank for its stacks
+    _wait_for_siblings()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # a fresh interpreter's numpy starts from fresh entropy
     sys.argv = [path, *args]
@@ -88,6 +124,7 @@ def run_script(path: str, *args: str) -> None:
 def launch(argv: list[str]) -> int:
     """torchrun's own main, its workers forked from this process; the exit status python would give it."""
     torch.distributed.run.run_script_path = run_script  # what --run-path runs in each worker
+    MultiprocessContext._start = _fork_all_then_start(MultiprocessContext._start)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # tests.launch.finish asks a hung launch for its stacks
     try:
         torch.distributed.run.main(["--run-path", "--start-method", "fork", *argv])
