@@ -40,10 +40,9 @@ def start_torchrun(
     """Start ``script`` on ``nproc`` local CPU ranks (output piped); `finish` waits for it.
 
     ``preloaded`` forks the workers from a launcher that imported the libraries once (tests/preloaded_torchrun.py);
-    with ``HF_FEDSHARD_LAUNCH_SERVER=1`` the launcher too is forked, from one server per session (opt-in: with it,
-    tests/distributed/test_elastic.py's killed-group test ended with one group late at the last averaging in 3 of 8
-    runs of that file, not yet understood). False starts each rank in a fresh interpreter, as plain torchrun does
-    (every launch does with ``HF_FEDSHARD_PLAIN_TORCHRUN=1``).
+    with ``HF_FEDSHARD_LAUNCH_SERVER=1`` the launcher too is forked, from one server per session (opt-in until a
+    clean-clone CI run has passed with it since the fork hang in tests/preloaded_torchrun.py was fixed). False starts
+    each rank in a fresh interpreter, as plain torchrun does (every launch does with ``HF_FEDSHARD_PLAIN_TORCHRUN=1``).
 
     With ``max_restarts``, torchrun restarts the whole job after a failure; its rendezvous store is then not
     shared with the workers, whose restarted process groups would otherwise read the dead ones' addresses
