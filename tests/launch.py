@@ -40,9 +40,9 @@ def start_torchrun(
     """Start ``script`` on ``nproc`` local CPU ranks (output piped); `finish` waits for it.
 
     ``preloaded`` forks the workers from a launcher that imported the libraries once (tests/preloaded_torchrun.py);
-    with ``HF_FEDSHARD_LAUNCH_SERVER=1`` the launcher too is forked, from one server per session (opt-in until a
-    clean-clone CI run has passed with it since the fork hang in tests/preloaded_torchrun.py was fixed). False starts
-    each rank in a fresh interpreter, as plain torchrun does (every launch does with ``HF_FEDSHARD_PLAIN_TORCHRUN=1``).
+    the launcher too is forked, from one server per session (``HF_FEDSHARD_LAUNCH_SERVER=0`` forks it from the
+    test process's own fresh interpreter instead). False starts each rank in a fresh interpreter, as plain torchrun
+    does (every launch does with ``HF_FEDSHARD_PLAIN_TORCHRUN=1``).
 
     With ``max_restarts``, torchrun restarts the whole job after a failure; its rendezvous store is then not
     shared with the workers, whose restarted process groups would otherwise read the dead ones' addresses
@@ -52,7 +52,7 @@ def start_torchrun(
     torchrun_args = ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", str(script),
                      *map(str, args)]  # fmt: skip
     env = launch_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1" if max_restarts else "0")
-    if preloaded and os.environ.get("HF_FEDSHARD_LAUNCH_SERVER") == "1":  # opt-in: see above
+    if preloaded and os.environ.get("HF_FEDSHARD_LAUNCH_SERVER", "1") == "1":
         server, env["HF_FEDSHARD_LAUNCH_PIDS"] = _launch_server()
         cmd = [sys.executable, "-S", str(REPO / "tests" / "launch_client.py"), server, *torchrun_args]
     elif preloaded:
