@@ -102,7 +102,6 @@ def run_script(path: str, *args: str) -> None:
     for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(","):
         signal.signal(getattr(signal, name.strip()), signal.SIG_DFL)  # the agent's handlers, inherited by the fork
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # tests.launch.finish asks a hung rank for its stacks
     _wait_for_siblings()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # a fresh interpreter's numpy starts from fresh entropy
@@ -125,7 +124,7 @@ def launch(argv: list[str]) -> int:
     """torchrun's own main, its workers forked from this process; the exit status python would give it."""
     torch.distributed.run.run_script_path = run_script  # what --run-path runs in each worker
     MultiprocessContext._start = _fork_all_then_start(MultiprocessContext._start)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # tests.launch.finish asks a hung launch for its stacks
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # tests.launch.finish asks for stacks; workers inherit it
     try:
         torch.distributed.run.main(["--run-path", "--start-method", "fork", *argv])
     except SystemExit as exit:
