@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, new_subgroups_by_enumeration
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _world
 
 from hf_fedshard.engine.communicator import FederationCommunicator, ProcessGroupCommunicator
 from hf_fedshard.topology import FederationLayout, MeshAxis
@@ -97,10 +98,22 @@ def destroy_gloo_groups_at_exit() -> None:
 
 
 def _destroy_gloo_groups() -> None:
+    """Destroy every process group, the last reference to each dropped from Python, never from C++ under the GIL.
+
+    ``ProcessGroupGloo``'s destructor joins its worker threads, and a worker that just finished a collective may need
+    the GIL to free the work's tensors (a tensor whose Python object died first is owned by C++ and decrefs it). A
+    group freed by a C++ owner inside ``gc.collect`` (a DDP reducer) runs that destructor holding the GIL: the worker
+    waits for the GIL, the destructor for the worker, and the rank never exits (tests/scripts/gloo_exit.py makes it
+    happen every time). Python's own references are dropped through bindings that release the GIL first, so the
+    groups are held here until everything else that holds them is collected.
+    """
     failed = hasattr(sys, "last_value")  # set by the interpreter for an uncaught exception
-    if not failed and dist.is_initialized() and dist.get_backend() == "gloo":
-        dist.destroy_process_group()
-        gc.collect()  # free what still holds the groups (a DDP reducer, FSDP states) while Python is alive
+    if failed or not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+    groups = list(_world.pg_map)
+    dist.destroy_process_group()
+    gc.collect()  # free what still holds the groups (a DDP reducer, FSDP states) while Python is alive
+    del groups  # the last references: each destructor runs with the GIL released
 
 
 def mesh_communicator(
