@@ -21,10 +21,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +30,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast, TrainingArguments
 
 from hf_fedshard.errors import ConfigError
+from hf_fedshard.tools.cache import build_once, cache_home
 
 EMBEDDED = ("shakespeare", "kjv")
 CHAT = ("shakespeare-chat",)
@@ -201,29 +199,9 @@ def pack(
     return DatasetDict(packed)
 
 
-def cache_home() -> Path:
-    """hf_fedshard's cache: ``$HF_FEDSHARD_CACHE`` or ``~/.cache/hf_fedshard`` (a machine's own disk)."""
-    return Path(os.environ.get("HF_FEDSHARD_CACHE", Path.home() / ".cache" / "hf_fedshard"))
-
-
 def cache_root() -> Path:
     """Where prepared data lives (converted models live beside it, in ``models/``)."""
     return cache_home() / "data"
-
-
-def publish(folder: Path, write: Callable[[Path], None]) -> None:
-    """Create ``folder`` whole or not at all: ``write`` fills a staging folder beside it, then renamed into place,
-    so a crash or a concurrent run never leaves half of it."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
-        write(staging)
-        staging.rename(folder)
-    except OSError:  # another run with the same key published it first: use theirs
-        if not folder.is_dir():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def prepare_once(
@@ -235,20 +213,31 @@ def prepare_once(
 
     Tokenizing and packing a corpus on every rank multiplies start-up time by the ranks per machine, since they
     share its cores. Under `args.main_process_first(local=True)`, the main process builds and `save_to_disk`s
-    (into a staging folder renamed into place, so a crash or a concurrent run never leaves half a dataset); the
-    others, released after it, load what it saved. ``key`` (the settings the data depends on) names the folder,
+    (`hf_fedshard.tools.cache.build_once`: into a staging folder checked and renamed into place, so a crash or a
+    concurrent run never leaves half a dataset, and a broken one is moved aside and rebuilt); the others, released
+    after it, load what it saved. ``key`` (the settings the data depends on) names the folder,
     so a later run with the same settings starts from the saved data.
     """
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     folder = cache_root() / digest
     with args.main_process_first(local=True, desc="data preparation"):
-        if not folder.is_dir():
-            datasets, tokenizer = build()
+        if args.local_process_index == 0:
 
             def write(staging: Path) -> None:
+                datasets, tokenizer = build()
                 datasets.save_to_disk(staging / "datasets")
                 tokenizer.save_pretrained(staging / "tokenizer")
                 (staging / "key.json").write_text(json.dumps(key, sort_keys=True, default=str, indent=1))
 
-            publish(folder, write)
+            build_once(folder, write, _prepared_problem, "prepared data")
         return load_from_disk(folder / "datasets"), AutoTokenizer.from_pretrained(folder / "tokenizer")
+
+
+def _prepared_problem(folder: Path) -> str | None:
+    """What keeps a prepared-data folder from loading (its datasets or its tokenizer), or None."""
+    try:
+        load_from_disk(folder / "datasets")
+        AutoTokenizer.from_pretrained(folder / "tokenizer")
+    except Exception as err:  # any reason it does not load is a reason to rebuild it
+        return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+    return None

