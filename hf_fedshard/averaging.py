@@ -17,8 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from hf_fedshard.engine.averager import FederatedAverager as EngineAverager
 from hf_fedshard.engine.communicator import FederationCommunicator
 from hf_fedshard.engine.options import AveragingOptions
+from hf_fedshard.launch_guard import watch_launcher
 from hf_fedshard.topology import FederationLayout
-from hf_fedshard.transports.mesh import mesh_communicator
+from hf_fedshard.transports.mesh import destroy_gloo_groups_at_exit, mesh_communicator
 
 
 class FederatedAverager(EngineAverager):
@@ -35,6 +36,8 @@ class FederatedAverager(EngineAverager):
 
 def _one_job(mesh: DeviceMesh, options: AveragingOptions) -> FederationCommunicator:
     """The one-job transport's communicator over ``mesh``, once the engine checked ``options``."""
+    watch_launcher()  # a worker whose torchrun died ends within a second (hf_fedshard.launch_guard)
+    destroy_gloo_groups_at_exit()
     layout = FederationLayout.from_mesh(mesh)
     return mesh_communicator(
         layout, mesh, options.timeout_s, overlap=options.sync_overlap > 0, split=options.split_exchange

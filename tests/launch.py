@@ -35,7 +35,12 @@ SGD = [
 
 
 def start_torchrun(
-    nproc: int, script: str | Path, args: list[str], max_restarts: int = 0, preloaded: bool = True
+    nproc: int,
+    script: str | Path,
+    args: list[str],
+    max_restarts: int = 0,
+    preloaded: bool = True,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """Start ``script`` on ``nproc`` local CPU ranks (output piped); `finish` waits for it.
 
@@ -46,12 +51,13 @@ def start_torchrun(
 
     With ``max_restarts``, torchrun restarts the whole job after a failure; its rendezvous store is then not
     shared with the workers, whose restarted process groups would otherwise read the dead ones' addresses
-    (pytorch/pytorch#135712), as docs/fault_tolerance.md tells users to do.
+    (pytorch/pytorch#135712), as docs/fault_tolerance.md tells users to do. ``env`` adds to (or overrides) the
+    launch's environment.
     """
     preloaded = preloaded and os.environ.get("HF_FEDSHARD_PLAIN_TORCHRUN") != "1"
     torchrun_args = ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", str(script),
                      *map(str, args)]  # fmt: skip
-    env = launch_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1" if max_restarts else "0")
+    env = launch_env(**{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1" if max_restarts else "0", **(env or {})})
     if preloaded and os.environ.get("HF_FEDSHARD_LAUNCH_SERVER", "1") == "1":
         server, env["HF_FEDSHARD_LAUNCH_PIDS"] = _launch_server()
         cmd = [sys.executable, "-S", str(REPO / "tests" / "launch_client.py"), server, *torchrun_args]

@@ -29,6 +29,7 @@ from hf_fedshard.engine.settings_history import AveragingSettings
 from hf_fedshard.engine.speed import ROUND_POLICIES
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.timeouts import start_world_process_group
+from hf_fedshard.launch_guard import check_restart_store, setup_deadline, watch_launcher
 from hf_fedshard.notices import notice as _notice
 from hf_fedshard.topology import FederationLayout, parse_group_size
 from hf_fedshard.transports import TRAINER_TRANSPORTS, TRANSPORTS
@@ -296,9 +297,13 @@ class FedShardArgumentsMixin:
 
     @cached_property
     def _setup_devices(self) -> torch.device:
-        # Transformers' use_cpu set-up leaves ddp_timeout out of the world process group: create it first.
-        start_world_process_group(self)
-        return super()._setup_devices
+        # Transformers' use_cpu set-up leaves ddp_timeout out of the world process group: create it first, within a
+        # deadline; and watch the launcher from here on (hf_fedshard.launch_guard).
+        check_restart_store()
+        watch_launcher()
+        with setup_deadline():
+            start_world_process_group(self)
+            return super()._setup_devices
 
     @property
     def fed_exchange_timeout_s(self) -> float:

@@ -12,13 +12,15 @@ Faults for the reliability tests fire on the first attempt only (``TORCHELASTIC_
 job restarted by ``torchrun --max-restarts`` runs clean:
 
     --kill_at_step 5 --fault_rank 1            SIGKILL rank 1 as step 5 begins (--fault_group G: group G's only)
+    --kill_launcher_at_step 5 --fault_rank 0   rank 0 SIGKILLs its torchrun (only) as step 5 begins
     --kill_while_saving_step 4 --fault_rank 1  SIGKILL rank 1 after it wrote its shards of checkpoint-4
     --stop_at_step 5 --fault_rank 3            SIGSTOP rank 3 as step 5 begins (prints its pid and "stopping at <time>")
     --sleep_group 1 --sleep_at_step 2          group 1 sleeps --sleep_s seconds as step 2 begins
     --slow_group 1 --slow_step_s 0.5           group 1 sleeps 0.5 s before each step it trains (a slower group)
     --nan_at 3:1 5:0,1                         a NaN in group 1's first shard after step 3, in both after 5
     --hold_at_step 10 --hold_until F           wait as step 10 begins until file F exists (--restart_marker F:
-                                               a restarted launch creates F as it starts)
+                                               a restarted launch creates F as it starts; --start_marker F:
+                                               any launch does)
 
 ``--pretrained_dir D`` loads the model from the folder D as the recipes do (`build_model`: with
 ``--fsdp_config '{"cpu_ram_efficient_loading": true}'`` only rank 0 reads it); the dump then says whether the model
@@ -64,6 +66,9 @@ class ScriptArguments:
         default=None, metadata={"help": "Only this federation group's fault_rank (default: every group's)."}
     )
     kill_at_step: int | None = field(default=None, metadata={"help": "SIGKILL fault_rank as this step begins."})
+    kill_launcher_at_step: int | None = field(
+        default=None, metadata={"help": "fault_rank SIGKILLs its launcher (torchrun) as this step begins."}
+    )
     stop_at_step: int | None = field(default=None, metadata={"help": "SIGSTOP fault_rank as this step begins."})
     kill_while_saving_step: int | None = field(
         default=None, metadata={"help": "SIGKILL fault_rank after it wrote its shards of this checkpoint."}
@@ -71,6 +76,9 @@ class ScriptArguments:
     step_sleep_s: float = field(default=0.0, metadata={"help": "Seconds every rank sleeps before each step."})
     restart_marker: str | None = field(
         default=None, metadata={"help": "A file this script creates when torchrun restarted it (attempt > 0)."}
+    )
+    start_marker: str | None = field(
+        default=None, metadata={"help": "A file this script creates as it starts (before it joins the federation)."}
     )
     hold_at_step: int | None = field(
         default=None, metadata={"help": "Wait as this step begins until the file --hold_until exists."}
@@ -190,6 +198,8 @@ class Faults(TrainerCallback):
             return
         if step == self.script.kill_at_step and self.rank == self.script.fault_rank:
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == self.script.kill_launcher_at_step and self.rank == self.script.fault_rank:
+            os.kill(os.getppid(), signal.SIGKILL)  # torchrun alone: its workers live in sessions of their own
         if step == self.script.stop_at_step and self.rank == self.script.fault_rank:
             print(f"rank {self.rank} (pid {os.getpid()}) stopping at {time.time()}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -368,6 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     destroy_gloo_groups_at_exit()  # the plain-Trainer reference runs need it too
     if script.restart_marker and not first_attempt():
         open(script.restart_marker, "a").close()
+    if script.start_marker:
+        open(script.start_marker, "a").close()
     if script.pretrained_dir is None:
         model = tiny_llama()
     else:
