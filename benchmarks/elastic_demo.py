@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.harness import progress
-from benchmarks.harness.faults import Localhost, kill_tree, start_lighthouse, torchrun
+from benchmarks.harness.faults import Localhost, start_lighthouse, torchrun
 from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data
+from benchmarks.harness.process_tree import kill
 from benchmarks.harness.study import new_parser
 
 
@@ -98,7 +99,7 @@ def run_demo(cfg: DemoConfig, work: Path, data_cache: Path = DATA_CACHE) -> Demo
             run.launches.append(Launch(group, hosts.start(0, argv[group], work / f"group{group}.log")))
         victim = run.launches[cfg.victim]
         wait_for_kill_point(run, victim)
-        victim.processes_killed = kill_tree(victim.proc)
+        victim.processes_killed = kill(victim.proc)
         victim.killed_at = time.time()
         print(f"  killed group {cfg.victim} (SIGKILL to {victim.processes_killed} processes)", flush=True)
         time.sleep(cfg.restart_after_s)
@@ -108,8 +109,8 @@ def run_demo(cfg: DemoConfig, work: Path, data_cache: Path = DATA_CACHE) -> Demo
     finally:
         for launch in run.launches:
             if launch.proc.poll() is None:
-                kill_tree(launch.proc)
-        kill_tree(lighthouse)
+                kill(launch.proc)
+        kill(lighthouse)
     return run
 
 

@@ -60,9 +60,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.harness import faults, progress, report
-from benchmarks.harness.faults import ClusterNodes, Fault, Hosts, Localhost, kill_tree
+from benchmarks.harness.faults import ClusterNodes, Fault, Hosts, Localhost
 from benchmarks.harness.methods import BenchConfig, prepare_data
 from benchmarks.harness.netns import Cluster, handle_termination
+from benchmarks.harness.process_tree import kill
 from benchmarks.harness.study import Study, add_folder_options, new_parser
 
 PATHS = ("torchft", "mesh")
@@ -170,12 +171,12 @@ class Launches:
         self.procs[group] = self.hosts.start(group, self.commands[group], log)
 
     def kill(self, group: int) -> None:
-        kill_tree(self.procs[group])
+        kill(self.procs[group])
 
     def kill_all(self) -> None:
         for proc in [*self.procs.values(), *([self.lighthouse] if self.lighthouse else [])]:
             if proc.poll() is None:
-                kill_tree(proc)
+                kill(proc)
 
 
 def run_path(cfg: GoodputConfig, hosts: Hosts, path: str, fault: str | None, interval_s: float | None,

@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.harness import REPO, TRAIN_SCRIPT
+from benchmarks.harness import REPO, TRAIN_SCRIPT, process_tree
 from benchmarks.harness.methods import BenchConfig, prepare_data
 from benchmarks.harness.report import run_record_lines, save_figure
 from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite, validated
@@ -160,8 +160,7 @@ def train(cfg: LayoutChangeConfig, name: str, layout: Layout, args: list[str], d
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=cfg.timeout_s, start_new_session=True)  # fmt: skip
+    done = process_tree.run(cmd, cfg.timeout_s, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall_s = time.monotonic() - start
     (run_dir / "log.txt").write_text(done.stdout)
     if done.returncode:

@@ -29,12 +29,11 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import REPO
+from benchmarks.harness import REPO, process_tree
 from benchmarks.harness.report import median_range, run_record_lines, spread, table_head
 from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite
 from hf_fedshard.tools.models import SMOLLM2, llama_config, smollm2_folder
@@ -106,7 +105,7 @@ def launch(model: Path, setting: str, bf16: bool, out: Path, timeout_s: float) -
            "--worker", "--model", str(model), "--setting", setting, "--out", str(out),
            *(["--bf16"] if bf16 else [])]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    result = process_tree.run(cmd, timeout_s, env=env, capture_output=True, text=True)
     if result.returncode:
         log = result.stdout[-3000:] + result.stderr[-3000:]
         raise RuntimeError(f"cpu_ram_efficient_loading {setting}, bf16={bf16}: exit {result.returncode}\n{log}")

@@ -17,12 +17,11 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import REPO, TRAIN_SCRIPT, results_folder
+from benchmarks.harness import REPO, TRAIN_SCRIPT, process_tree, results_folder
 from benchmarks.harness.methods import DATA_CACHE, BenchConfig, prepare_data, shared_args
 from benchmarks.harness.report import new_axes, save_figure
 from benchmarks.harness.study import Study, new_parser
@@ -46,7 +45,7 @@ def train(label: str, args: list[str], cfg: BenchConfig, data: Path, work: Path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
     start = time.monotonic()
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cfg.timeout_s)
+    result = process_tree.run(cmd, cfg.timeout_s, env=env, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"{label} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     print(f"  {label}: {time.monotonic() - start:.0f} s", flush=True)

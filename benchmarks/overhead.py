@@ -53,7 +53,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.harness import REPO, results_folder
+from benchmarks.harness import REPO, process_tree, results_folder
 from benchmarks.harness.exclusive import exclusive_cores
 from benchmarks.harness.methods import busy_cpu_s, others_cpu
 
@@ -331,7 +331,7 @@ def launch(opts: argparse.Namespace, method: str, record_dir: Path) -> list[tupl
                __file__, "--worker", "--method", method, "--record", str(record), "--workdir",
                str(record_dir / name), "--first-core", str(first_core), *opts.worker_args]  # fmt: skip
         log = open(record_dir / f"{name}.log", "w")  # noqa: SIM115 (closed when the process ends)
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = process_tree.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         procs.append((nproc, proc, record, log))
     results = []
     for nproc, proc, record, log in procs:

@@ -45,8 +45,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from benchmarks.harness import REPO
-from benchmarks.harness.faults import descendants, kill_tree
+from benchmarks.harness import REPO, process_tree
 from benchmarks.harness.methods import busy_cpu_s, machine_load, others_cpu
 from benchmarks.harness.report import median_range, run_record_lines, save_figure, spread
 from benchmarks.harness.study import Study, new_parser, rewrite, validated
@@ -120,7 +119,7 @@ def run_args(cfg: PretrainedConfig, method: str, seed: int) -> list[str]:
 def rank_peaks(launcher: int) -> dict[int, int]:
     """Peak resident memory (``VmHWM``, bytes) so far of each rank of the launch ``launcher``, by its ``RANK``."""
     peaks = {}
-    for pid in descendants(launcher):
+    for pid in process_tree.descendants(launcher):
         with contextlib.suppress(OSError, ValueError, StopIteration):
             if RECIPE.name.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
                 continue
@@ -136,7 +135,7 @@ def launch(cmd: list[str], env: dict[str, str], timeout_s: float, log: Path) -> 
     status and each rank's peak resident memory, read every second while it runs."""
     peaks: dict[int, int] = {}
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = process_tree.popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         stop = threading.Event()
 
         def sample() -> None:
@@ -149,7 +148,7 @@ def launch(cmd: list[str], env: dict[str, str], timeout_s: float, log: Path) -> 
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            kill_tree(proc)
+            process_tree.stop(proc)
         finally:
             stop.set()
             sampler.join()

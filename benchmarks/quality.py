@@ -26,13 +26,12 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.harness import REPO, TRAIN_SCRIPT
+from benchmarks.harness import REPO, TRAIN_SCRIPT, process_tree
 from benchmarks.harness.methods import BenchConfig, prepare_data
 from benchmarks.harness.report import new_axes, run_record_lines, save_figure
 from benchmarks.harness.study import Study, add_folder_options, new_parser, validated
@@ -118,7 +117,7 @@ def run_one(cfg: QualityConfig, variant: str, world: int, seed: int, data: Path,
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
     start = time.monotonic()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cfg.timeout_s, start_new_session=True)
+    done = process_tree.run(cmd, cfg.timeout_s, env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{variant} W={world} seed {seed} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
     record = json.loads((run_dir / "records" / "rank0.json").read_text())

@@ -45,8 +45,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.harness import REPO
-from benchmarks.harness.faults import kill_tree
+from benchmarks.harness import REPO, process_tree
 from benchmarks.harness.methods import busy_cpu_s, machine_load, others_cpu
 from benchmarks.harness.netns import handle_termination
 from benchmarks.harness.report import run_record_lines
@@ -147,7 +146,7 @@ def launch(argv: list[str], log: Path) -> subprocess.Popen:
     """One command as typed in the repository's root (this checkout on the path, as `pip install -e .` would)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
-        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return process_tree.popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def run_path(name: str, s: Settings, work: Path) -> dict:
@@ -174,13 +173,11 @@ def run_path(name: str, s: Settings, work: Path) -> dict:
             try:
                 statuses.append(proc.wait(timeout=max(1.0, s.timeout_s - (time.monotonic() - start))))
             except subprocess.TimeoutExpired:
-                kill_tree(proc)
+                process_tree.stop(proc)
                 statuses.append("timeout")
         wall_s = time.monotonic() - start
     finally:
-        for proc in started:
-            if proc.poll() is None:
-                kill_tree(proc)
+        process_tree.stop_all(started)
     run_logs = [log.read_text(errors="replace") for log in logs[first:]]
     status = next((st for st in statuses if st != 0), 0)
     record = {

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness.faults import descendants
+from benchmarks.harness import process_tree
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -65,8 +65,7 @@ def start_torchrun(
         cmd = [sys.executable, str(REPO / "tests" / "preloaded_torchrun.py"), *torchrun_args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    return process_tree.popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def launch_env(**extra: str) -> dict[str, str]:
@@ -149,15 +148,14 @@ def dump_stacks(proc: subprocess.Popen) -> None:
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a launch and every process below it (torchrun starts each worker in a session of its own)."""
-    for pid in [proc.pid, *launched(proc)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    """SIGKILL a launch and every process below it (its keeper's: torchrun's workers, in sessions of their own, and
+    orphans included; also where the launch server forked its launcher)."""
+    process_tree.kill_pids([proc.pid], _adopted())
 
 
 def launched(proc: subprocess.Popen) -> list[int]:
     """Every process a launch started (its torchrun and workers), also where the launch server forked them."""
-    return descendants(proc.pid, _adopted())
+    return process_tree.descendants(proc.pid, _adopted())
 
 
 def _adopted() -> dict[int, int]:
@@ -200,8 +198,7 @@ def lighthouse(min_groups: int = 1, join_timeout_s: float = 10.0, heartbeat_time
            "--join_timeout_s", str(join_timeout_s), "--heartbeat_timeout_s", str(heartbeat_timeout_s)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     log = open(os.environ.get("LIGHTHOUSE_LOG", os.devnull), "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = process_tree.popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         line = proc.stdout.readline()
         assert "--fed_lighthouse" in line, f"the lighthouse did not start: {line!r}"

@@ -10,12 +10,14 @@ exit status.
 
 import json
 import os
+import signal
 import socket
 import struct
 import sys
 
 
 def main(path: str, argv: list[str]) -> int:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # tests.launch.dump_stacks asks the processes below for stacks
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()

@@ -28,8 +28,9 @@ torchrun (fresh interpreters, slower) until the launcher is adapted.
 Even that import (about 6 CPU-seconds for the launcher itself) is paid once per test session: with ``--serve PATH``
 the launcher imports once and waits on a Unix socket; each launch is then ``python tests/launch_client.py PATH
 torchrun-args…``, a stdlib-only client that hands its argv, environment, folder and stdin/stdout/stderr to the
-server, which forks a launcher for it (in a session of its own) and sends back its pid and its exit status. The
-server forks from a clean state (nothing but the imports has run in it), never from the pytest process.
+server, which forks a launcher for it (in a session of its own, below a keeper: `benchmarks.harness.process_tree`)
+and sends back the keeper's pid and the launch's exit status. The server forks from a clean state (nothing but the
+imports has run in it), never from the pytest process.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 from transformers import LlamaForCausalLM, Trainer  # noqa: F401 (preloaded for the workers)
 
 import hf_fedshard.integrations.trainer  # noqa: F401 (preloaded for the workers)
+from benchmarks.harness import process_tree
 
 
 def require_internals() -> None:
@@ -150,7 +152,7 @@ def _start(conn: socket.socket, server: socket.socket) -> int:
     request, fds = _receive(conn)
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    server_pid, pid = os.getpid(), os.fork()
     if pid:
         for fd in fds:
             os.close(fd)
@@ -167,8 +169,13 @@ def _start(conn: socket.socket, server: socket.socket) -> int:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [__file__, *request["argv"]]
-        code = launch(request["argv"])
+        process_tree.become_subreaper()  # this process keeps the launch: everything below it, orphans included
+        launcher = os.fork()
+        if launcher:
+            code = process_tree.keep(launcher, server_pid)
+        else:
+            sys.argv = [__file__, *request["argv"]]
+            code = launch(request["argv"])
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

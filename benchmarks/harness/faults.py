@@ -4,14 +4,14 @@
   (`ClusterNodes`, one node per group, each with a host name of its own for torchft's managers);
 - `torchrun` is the command of one launch (one group under ``fed_transport torchft``, one node of the job under
   ``mesh``), `start_lighthouse` the torchft Lighthouse's;
-- `kill_tree` is the fault of a lost node: SIGKILL to the launch's torchrun and every process below it
-  (`descendants`); `kill_worker` that of a crashed process: SIGKILL to one worker, which its torchrun restarts;
+- a launch runs below a keeper (`process_tree.popen`); `process_tree.kill` is the fault of a lost node: SIGKILL to
+  every process of the launch at once; `kill_worker` that of a crashed process: SIGKILL to one worker, which its
+  torchrun restarts;
 - `fault_schedule` says when: one group killed every ``interval_s`` seconds, restarted ``restart_s`` later.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from benchmarks.harness import REPO, TRAIN_SCRIPT
+from benchmarks.harness import REPO, TRAIN_SCRIPT, process_tree
 from benchmarks.harness.netns import Cluster
+from benchmarks.harness.process_tree import cmdline, descendants, process_children
 
 ENV = {
     "OMP_NUM_THREADS": "1",
@@ -49,8 +50,7 @@ class Localhost:
 
     def start(self, node: int, argv: Sequence[str], log: Path) -> subprocess.Popen:
         with open(log, "a") as out:
-            return subprocess.Popen(list(argv), cwd=REPO, env={**os.environ, **ENV}, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            return process_tree.popen(argv, cwd=REPO, env={**os.environ, **ENV}, stdout=out, stderr=subprocess.STDOUT)
 
     def address(self, node: int) -> str:
         return "127.0.0.1"
@@ -93,65 +93,23 @@ def start_lighthouse(hosts: Hosts, node: int, log: Path, join_timeout_s: float =
     deadline = time.monotonic() + 60
     while "--fed_lighthouse" not in (text := log.read_text()):
         if proc.poll() is not None or time.monotonic() > deadline:
-            kill_tree(proc)
+            process_tree.kill(proc)
             raise RuntimeError(f"the lighthouse did not start; its log ({log}):\n{text[-2000:]}")
         time.sleep(0.2)
     listening = text.split("--fed_lighthouse", 1)[1].split()[0].rsplit(":", 1)[1]
     return proc, f"http://{hosts.address(node)}:{listening}"
 
 
-def kill_tree(proc: subprocess.Popen) -> int:
-    """SIGKILL a launch and every process below it (torchrun puts each worker in a session of its own); how many."""
-    pids = [proc.pid, *descendants(proc.pid)]
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
-    return len(pids)
-
-
 def kill_worker(proc: subprocess.Popen) -> int:
     """SIGKILL one worker of a launch (the lowest-numbered child of its torchrun, rank 0 as a rule), leaving torchrun
     to restart the group's workers as it does after a crash; the worker's pid."""
-    children = process_children()
-    agents = [pid for pid in [proc.pid, *descendants(proc.pid)] if b"torch.distributed.run" in cmdline(pid)]
+    children = process_children()  # below the launch's keeper, whose own command line names torchrun too
+    agents = [pid for pid in descendants(proc.pid, children=children) if b"torch.distributed.run" in cmdline(pid)]
     workers = children.get(agents[0], []) if agents else []
     if not workers:
         raise RuntimeError(f"the launch {proc.pid} has no worker to kill (it ended with {proc.poll()})")
     os.kill(min(workers), signal.SIGKILL)
     return min(workers)
-
-
-def cmdline(pid: int) -> bytes:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    return b""
-
-
-def process_children() -> dict[int, list[int]]:
-    """Every process's children, read from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    return children
-
-
-def descendants(pid: int, adopted: dict[int, int] | None = None) -> list[int]:
-    """Every process below ``pid`` (children first), read from /proc; the tests' launches are killed with it too.
-
-    ``adopted`` adds parent → child links /proc does not show (tests.launch: a launch client's launcher is forked by
-    the session's launch server, not by the client)."""
-    children = process_children()
-    for parent, child in (adopted or {}).items():
-        children.setdefault(parent, []).append(child)
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 @dataclass(frozen=True)

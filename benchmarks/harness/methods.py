@@ -16,14 +16,13 @@ import json
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import REPO, TRAIN_SCRIPT, report
+from benchmarks.harness import REPO, TRAIN_SCRIPT, process_tree, report
 from benchmarks.harness.netns import Cluster, handle_termination
 from benchmarks.harness.report import VARIANTS, base_method
 from hf_fedshard.errors import ConfigError
@@ -176,12 +175,9 @@ def train_on_localhost(
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
     log = run_dir / "log.txt"
     with open(log, "w") as out:
-        launcher = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code = launcher.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's session: its ranks go too
-            launcher.wait()
+            code = process_tree.run(cmd, timeout_s, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+        except subprocess.TimeoutExpired:  # stopped with every rank
             code = f"killed after {timeout_s:.0f} s"
     if code:
         raise RuntimeError(f"bench_train.py on {world} ranks failed (exit {code}); log in {log}:\n"

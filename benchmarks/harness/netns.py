@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.harness import process_tree
+
 SUBNET = "10.213.0"
 UPLINK = "uplink"
 TRUNK = "trunk"  # a rack's link to the core switch, in the rack switch's namespace
@@ -290,12 +292,11 @@ class Cluster:
         named = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.namespace(node)]
         command = ["ip", "netns", "exec", self.namespace(node), *(named if self.hostnames else []), *argv]
         with open(log, "w") as out:
-            proc = subprocess.Popen(
+            proc = process_tree.popen(
                 wrap(node, command) if wrap is not None else command,
                 env={**os.environ, "GLOO_SOCKET_IFNAME": UPLINK, **env, **reads_rack},
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
             )
         self._procs.append(proc)
         return proc
@@ -333,18 +334,9 @@ class Cluster:
         return [p.returncode for p in procs]
 
     def _kill(self, grace_s: float = 5.0) -> None:
-        """Stop every process group this cluster launched: SIGTERM, then SIGKILL after ``grace_s``."""
-        alive = [p for p in self._procs if p.poll() is None]
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for proc in alive:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, sig)
-            deadline = time.monotonic() + grace_s
-            while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            alive = [p for p in alive if p.poll() is None]
-            if not alive:
-                break
+        """Stop every launch of this cluster and every process it started (`process_tree.stop_all`: SIGTERM, then
+        SIGKILL after ``grace_s``; torchrun's workers, in sessions of their own, and orphans included)."""
+        process_tree.stop_all(self._procs, grace_s)
         self._procs = [p for p in self._procs if p.poll() is None]
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ a rank that never comes ends in one line at the deadline. The in-process half is
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -32,15 +33,14 @@ def test_a_group_whose_torchrun_is_killed_ends_at_once_and_its_relaunch_heals(tm
         survivor = Background(start_group(0, 2, 1, tmp_path, [*COMMON, *hold], address, preloaded=False), 300)
         kill = ["--kill_launcher_at_step", "6", "--fault_rank", "0"]
         killed = start_group(1, 2, 1, tmp_path, [*COMMON, *kill], address, preloaded=False)
-        killed.wait(timeout=240)  # torchrun itself: SIGKILLed by its worker
-        launcher_died = time.monotonic()
-        first = finish(killed, 60)  # returns once its output closed: the orphaned worker has ended too
-        orphan_s = time.monotonic() - launcher_died
+        first = finish(killed, 240)  # once its output closed: torchrun SIGKILLed, and the orphaned worker ended
         time.sleep(5)
         relaunch = start_group(1, 2, 1, tmp_path, [*COMMON, "--start_marker", back], address, preloaded=False)
         second, kept = finish(relaunch, 300), survivor.result()
-    line = f"hf_fedshard: rank 0: the launcher that started this worker (pid {killed.pid}) is gone; ending this worker"
-    assert first.stdout.count(line) == 1 and orphan_s < 10, (orphan_s, first.stdout[-3000:])
+    # Said by the worker's watch (every 0.5 s): had it not ended, the launch's keeper would have stopped it after 5 s
+    # without a word (tests.launch, benchmarks.harness.process_tree).
+    line = r"hf_fedshard: rank 0: the launcher that started this worker \(pid \d+\) is gone; ending this worker"
+    assert len(re.findall(line, first.stdout)) == 1, first.stdout[-3000:]
     assert second.returncode == 0 and kept.returncode == 0, second.stdout[-3000:] + kept.stdout[-3000:]
     dumps = [torch.load(tmp_path / f"dump{g}" / "rank0.pt", weights_only=False) for g in range(2)]
     healed_at = dumps[1]["started_at_step"]

@@ -139,7 +139,10 @@ def test_namespaces_of_a_killed_harness_are_removed_on_next_start(tmp_path):
     proc.wait(timeout=30)
     stale = [name for name in list_namespaces() if name.startswith(f"fsb{proc.pid}")]
     assert len(stale) == 7  # four nodes, two rack switches and the core of a three-tier cluster
-    os.killpg(sleeper, signal.SIGKILL)  # the orphan it launched (its own process group)
+    deadline = time.monotonic() + 15  # what it launched: stopped by the launch's keeper, which saw its owner go
+    while running(sleeper) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(sleeper)
     with Cluster(2) as cluster:
         names = list(cluster.created)
         assert not set(stale) & set(list_namespaces())

@@ -11,15 +11,17 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from benchmarks import layout_change as lc
-from benchmarks.harness.faults import kill_tree
 from benchmarks.harness.netns import list_namespaces
+from benchmarks.harness.process_tree import cmdline, descendants, kill, kill_pids
 
 from ..launch import REPO, STUDIES
 
@@ -45,7 +47,7 @@ def run_study(study: str, args: list, timeout_s: float) -> tuple[subprocess.Pope
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        kill_tree(proc)
+        kill(proc)
         raise TimeoutError(f"benchmarks.{study} ran past {timeout_s} s:\n{proc.communicate()[0][-6000:]}") from None
     return proc, out
 
@@ -223,6 +225,51 @@ def test_elastic_demo_tells_its_story(tmp_path):
     assert "group 1 KILLED (SIGKILL to torchrun and its workers" in out_text
     assert re.search(r"group 1 healed from a live group: resumes training at step \d+", out_text)
     assert "averaging at step 128: groups [0 1 2]" in out_text and "OK: group 1 rejoined" in out_text
+
+
+def _workers_below(pid: int) -> int:
+    """The bench_train.py workers below ``pid`` (not their torchrun, not the keepers whose command names them)."""
+    lines = [cmdline(p) for p in descendants(pid)]
+    return sum(b"bench_train.py" in c and b"torch.distributed.run" not in c and b"process_tree" not in c for c in lines)
+
+
+def _alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.timeout(300)
+def test_an_interrupted_study_leaves_nothing_running(tmp_path):
+    """The elastic demo (a lighthouse, 3 launches of torchrun with 2 workers each), interrupted once a worker of every
+    group runs: by Ctrl-C, where the study's own cleanup runs, and by SIGKILL, where none does and each launch's keeper
+    (benchmarks.harness.process_tree) finds its owner gone and stops its tree. Both at once: every process they had
+    started is gone within 30 s."""
+
+    def start(work: Path) -> subprocess.Popen:  # SIGINT as a terminal sends it, even where it is ignored here
+        command = [sys.executable, "-m", "benchmarks.elastic_demo", "--work", str(work)]
+        reset = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+        return subprocess.Popen(command, cwd=REPO, env=user_env(), stdout=subprocess.DEVNULL, preexec_fn=reset)
+
+    studies = {sig: start(tmp_path / sig.name) for sig in (signal.SIGINT, signal.SIGKILL)}
+    started: dict[signal.Signals, list[int]] = {}
+    try:
+        deadline = time.monotonic() + 200
+        while len(started) < len(studies) and time.monotonic() < deadline:
+            for sig, proc in studies.items():
+                if sig not in started and _workers_below(proc.pid) >= 3:
+                    started[sig] = [proc.pid, *descendants(proc.pid)]
+                    proc.send_signal(sig)
+            time.sleep(0.2)
+        assert len(started) == len(studies), "the demos did not start their groups within 200 s"
+        for proc in studies.values():
+            proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for pids in started.values() for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = {sig.name: [cmdline(p)[:120] for p in pids if _alive(p)] for sig, pids in started.items()}
+        assert not any(left.values()), left
+    finally:
+        kill_pids([p.pid for p in studies.values()])
 
 
 @pytest.mark.timeout(900)
