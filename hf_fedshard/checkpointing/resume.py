@@ -116,12 +116,12 @@ def _gather(found: object) -> list:
     return everyone
 
 
-def _shared_files(files: dict) -> list[str]:
+def _shared_files(files: list[str] | dict) -> list[str]:
     """Files that ranks of every group read: the top-level ones and the outer state (group 0 writes it)."""
     return [path for path in files if "/" not in path or path.startswith(OUTER_DIR + "/")]
 
 
-def _files_read_by(files: dict, layout: FederationLayout, rank: int, resharded: bool) -> list[str]:
+def _files_read_by(files: list[str] | dict, layout: FederationLayout, rank: int, resharded: bool) -> list[str]:
     """The files ``rank`` reads at resume, shared ones first: the top-level files, the outer state and its group's
     folder; on another layout (``resharded``) every group's folder (the global model and the mean of the moments)."""
     shared = _shared_files(files)
@@ -150,16 +150,22 @@ def _size_problem(checkpoint: str, layout: FederationLayout, model: nn.Module, r
 
 
 def _checksum_problem(checkpoint: str, layout: FederationLayout, rank: int) -> str | None:
-    """Hash this rank's share: the shared files (top level, outer state) split among the world, its group's
-    files among the group. Every file a rank reads is hashed by some rank, so a damaged one is seen before loading."""
+    """Hash this rank's share (`checksum_share`) of ``checkpoint``'s files against its manifest."""
     files = read_manifest(checkpoint)
-    if changes_layout(read_layout_record(checkpoint), layout):  # every rank reads every file: split them over the world
-        return checksum_problem(checkpoint, files, list(files)[rank :: layout.world_size])
+    resharded = changes_layout(read_layout_record(checkpoint), layout)
+    return checksum_problem(checkpoint, files, checksum_share(list(files), layout, rank, resharded))
+
+
+def checksum_share(files: list[str], layout: FederationLayout, rank: int, resharded: bool) -> list[str]:
+    """The files ``rank`` hashes: the shared files (top level, outer state) split among the world, its group's files
+    among the group; on another layout (``resharded``: every rank reads every file) all of them split over the world.
+    Every file a rank reads is hashed by one rank of those that read it, so a damaged one is seen before loading."""
+    if resharded:
+        return files[rank :: layout.world_size]
     shared = _shared_files(files)
     own = [path for path in _files_read_by(files, layout, rank, False) if path not in shared]
     group_size = layout.size_of(layout.group_index(rank))
-    share = shared[rank :: layout.world_size] + own[layout.position(rank) :: group_size]
-    return checksum_problem(checkpoint, files, share)
+    return shared[rank :: layout.world_size] + own[layout.position(rank) :: group_size]
 
 
 def _describe(problems: Problems) -> str:

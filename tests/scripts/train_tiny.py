@@ -164,17 +164,21 @@ def local_of(param: torch.Tensor) -> torch.Tensor:
 
 
 class Recorder(TrainerCallback):
-    """Runs after FedAvgCallback: records this rank's local checksum at each optimizer step."""
+    """Runs after FedAvgCallback: records this rank's local checksum and the time (``time.time()``) at the end of
+    each optimizer step, its averaging included, and when training began."""
 
     def __init__(self) -> None:
         self.checksums: dict[int, float] = {}
+        self.step_times: dict[int, float] = {}
         self.started_at_step: int | None = None
+        self.started_at: float | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.started_at_step = state.global_step
+        self.started_at_step, self.started_at = state.global_step, time.time()
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.checksums[state.global_step] = local_checksum(model)
+        self.step_times[state.global_step] = time.time()
 
 
 def first_attempt() -> bool:
@@ -435,6 +439,8 @@ def main(argv: list[str] | None = None) -> None:
         "checksums": recorder.checksums,
         "trained": pace.trained if isinstance(trainer, FedShardTrainer) else None,
         "started_at_step": recorder.started_at_step,
+        "started_at": recorder.started_at,
+        "step_times": recorder.step_times,
         "resumed": resume.state if resume else None,
         "fed_counters": averager.state_dict()["counters"] if averager else None,
         "params_before_export": exporter.params_before if exporter else None,

@@ -9,6 +9,8 @@
 2. A resume verifies the size of every file it reads against ``manifest.json`` (`hf_fedshard.checkpointing.resume`),
    the outer state in ``fed_outer/`` included: every group reads it, whoever wrote it. A resized ``fed_outer/`` file
    is refused on every rank with one line naming the file and both sizes.
+3. The checksums before a resume: every file a rank reads is hashed, once, by a rank that reads it.
+4. The averager's state (counters, anchors, outer momenta) comes back from a checkpoint as it was saved.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ import pytest
 import torch
 
 from hf_fedshard.checkpointing import resume
-from hf_fedshard.checkpointing.averaging_state import save_outer_state, write_counters
+from hf_fedshard.checkpointing.averaging_state import (
+    ANCHOR,
+    MOMENTUM,
+    load_averaging_state,
+    save_averaging_state,
+    save_outer_state,
+    write_counters,
+)
 from hf_fedshard.checkpointing.checkpoint import (
     OUTER_DIR,
     group_dir,
@@ -169,3 +178,56 @@ def test_a_resized_fed_outer_file_is_refused_on_every_rank_in_one_line(tmp_path,
     line = f"resume_from_checkpoint={checkpoint} does not verify: {listing}. Resume from another checkpoint (or none)."
     assert every_rank_resumes(checkpoint, layout, monkeypatch) == [line] * layout.world_size
     assert "\n" not in line
+
+
+# 3. Which rank hashes which file at a resume (`resume.checksum_share`): 2 groups × 2 ranks, and groups of 3 and 1.
+FILES = ["trainer_state.json", "fed_layout.json", "scheduler.pt", f"{OUTER_DIR}/.metadata", f"{OUTER_DIR}/__0_0.distcp",
+         "fed_group0/model/a", "fed_group0/model/b", "fed_group0/optimizer/c",
+         "fed_group1/model/a", "fed_group1/model/b", "fed_group1/optimizer/c"]  # fmt: skip
+SHARES = [
+    pytest.param(FederationLayout(4, 2), False, [
+        ["trainer_state.json", f"{OUTER_DIR}/__0_0.distcp", "fed_group0/model/a", "fed_group0/optimizer/c"],
+        ["fed_layout.json", "fed_group0/model/b"],
+        ["scheduler.pt", "fed_group1/model/a", "fed_group1/optimizer/c"],
+        [f"{OUTER_DIR}/.metadata", "fed_group1/model/b"],
+    ], id="2x2"),
+    pytest.param(FederationLayout(4, (3, 1)), False, [
+        ["trainer_state.json", f"{OUTER_DIR}/__0_0.distcp", "fed_group0/model/a"],
+        ["fed_layout.json", "fed_group0/model/b"],
+        ["scheduler.pt", "fed_group0/optimizer/c"],
+        [f"{OUTER_DIR}/.metadata", "fed_group1/model/a", "fed_group1/model/b", "fed_group1/optimizer/c"],
+    ], id="sizes-3,1"),
+    pytest.param(FederationLayout(3, 1), True, [FILES[0::3], FILES[1::3], FILES[2::3]], id="another-layout"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("layout", "resharded", "shares"), SHARES)
+def test_every_file_a_rank_reads_is_hashed_once_by_a_rank_that_reads_it(layout, resharded, shares):
+    """A group's own files are hashed by its own ranks (each its position's share), the shared ones across the world;
+    on another layout every rank reads every file and the world splits them. Written out here, file by file."""
+    got = [resume.checksum_share(FILES, layout, rank, resharded) for rank in range(layout.world_size)]
+    assert got == shares
+    assert sorted(path for share in got for path in share) == sorted(FILES)  # each once
+
+
+# 4. The averager's state through a checkpoint, outer momentum included (`averaging_state`), in one process.
+def test_the_averaging_state_keeps_the_counters_the_anchors_and_every_outer_momentum(tmp_path):
+    model = Tiny(seed=3)
+    params = list(model.parameters())
+    anchors = [torch.full_like(p, 0.5 + i) for i, p in enumerate(params)]
+    momenta = {0: torch.full_like(params[0], -1.25), 2: torch.full_like(params[2], 2.5)}  # none for params 1 and 3
+    outer = {"fragments": [
+        {"anchor": anchors[:2], "optimizer": {"state": {0: {"momentum_buffer": momenta[0]}}}},
+        {"anchor": anchors[2:], "optimizer": {"state": {0: {"momentum_buffer": momenta[2]}}}},
+    ]}  # fmt: skip
+    counters = {"syncs": 3, "synced_at": [0, 4, 8]}
+    layout = FederationLayout(1, 1)
+    checkpoint = str(tmp_path / "checkpoint-8")
+    save_averaging_state(checkpoint, layout, 0, {"counters": counters, "in_flight": None, "outer": outer}, model, None)
+    loaded = load_averaging_state(checkpoint, layout, 0, Tiny(seed=4), None)
+    assert loaded["counters"] == counters and loaded["in_flight"] is None
+    for i, anchor in enumerate(loaded["outer"][ANCHOR]):
+        assert torch.equal(anchor, torch.full_like(params[i], 0.5 + i)), i
+    assert [m is None for m in loaded["outer"][MOMENTUM]] == [False, True, False, True]
+    assert torch.equal(loaded["outer"][MOMENTUM][0], torch.full_like(params[0], -1.25))
+    assert torch.equal(loaded["outer"][MOMENTUM][2], torch.full_like(params[2], 2.5))

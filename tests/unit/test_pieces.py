@@ -180,6 +180,17 @@ def test_each_piece_is_sent_once_per_group_and_the_bytes_are_the_groups_payload(
         assert sum(sent for group, _, sent in results if group == g) == 4 * numel
 
 
+@pytest.mark.parametrize(("sync_dtype", "payload"), [("float32", 8904), ("bfloat16", 4452), ("int8", 4160)])
+def test_a_groups_bytes_are_what_its_pieces_put_on_the_wire_scales_and_padding_included(sync_dtype, payload):
+    """Groups of 4, 2 and 2 ranks, 2 shards each: every tensor is cut at the same rows in every group, into the
+    pieces 12 + 9, 40 + 40, 4 + 4 values, the buffer's 5, and 17 × 64 = 1,088 + 16 × 64 = 1,024 values (2,226 in
+    all). fp32 sends 4 bytes a value (8,904), bf16 2 (4,452). int8 pads each piece to its 256-value blocks and
+    sends a 4-byte scale per block: 7 pieces of one block (260 bytes each), 5 blocks (1,300), 4 blocks (1,040):
+    4,160 bytes, where the values alone would be 2,226."""
+    _, results = exchange([4, 2, 2], 2, sync_dtype, [4, 2, 2])
+    assert [sum(sent for group, _, sent in results if group == g) for g in range(3)] == [payload] * 3
+
+
 def test_the_plan_is_a_function_of_the_layout_and_every_piece_has_one_shard_per_group():
     groups = tuple(layout([4, 2, 2], None))
     addresses = tuple(Address(r * c, r, s) for r, c, s in TENSORS)
