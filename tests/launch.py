@@ -65,7 +65,13 @@ def start_torchrun(
         cmd = [sys.executable, str(REPO / "tests" / "preloaded_torchrun.py"), *torchrun_args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
-    return process_tree.popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Output into a file, not a pipe: several launches run at once and `finish` reads each when it ends; a pipe
+    # nobody reads yet fills (64 KiB) and blocks the launch in a print (the killed-group elastic test's flake: the
+    # restarted group, the wordiest, stopped at step 47 until the test had finished reading another group).
+    output = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read and closed by finish)
+    proc = process_tree.popen(cmd, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+    proc.output = output
+    return proc
 
 
 def launch_env(**extra: str) -> dict[str, str]:
@@ -104,13 +110,25 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> subprocess.CompletedProc
     """Wait for a `start_torchrun` launch (or any piped process started in a session of its own); raise
     ``TimeoutError`` (after killing it and every process below it) on a hang."""
     try:
-        out, err = proc.communicate(timeout=timeout_s)
+        out, err = _output_at_end(proc, timeout_s)
     except subprocess.TimeoutExpired:
         dump_stacks(proc)
         kill_tree(proc)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = _output_at_end(proc, 60)
         raise TimeoutError(f"{proc.args} hung for {timeout_s}s; output and stacks:\n{out[-20000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err or "")
+
+
+def _output_at_end(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str | None]:
+    """(stdout, stderr) once ``proc`` ended: a launch's output file (`start_torchrun`), else its pipes."""
+    output = getattr(proc, "output", None)
+    if output is None:
+        return proc.communicate(timeout=timeout_s)
+    proc.wait(timeout=timeout_s)
+    output.seek(0)
+    text = output.read()
+    output.close()
+    return text, None
 
 
 class Background:

@@ -190,13 +190,18 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
 
 
 def quorum_rows(history: list[dict], num_groups: int, last: dict) -> list[tuple[str, str]]:
-    """fed_transport torchft: how many groups took part in the averagings, and how many healed from a live peer."""
+    """fed_transport torchft: how many groups took part in the averagings, how many healed from a live peer, and
+    whether the final averaging ran without groups of the one before (they may end on other models)."""
     counts = [h["fed_groups_in_quorum"] for h in history if "fed_groups_in_quorum" in h]
-    return [
+    rows = [
         ("Transport", "torchft (one launch per group; each averaging over the groups alive)"),
         ("Groups per averaging (fewest–most logged)", f"{min(counts)}–{max(counts)} of {num_groups}"),
         ("Groups healed from a live peer", str(last["fed_heals"])),
     ]
+    if last.get("fed_groups_dropped"):
+        final = f"{last['fed_groups_in_quorum']} groups, without {last['fed_groups_dropped']} of the averaging before"
+        rows.append(("Final averaging", f"{final} (they left or came late): the groups may hold different models"))
+    return rows
 
 
 def _is_group_ppl(key: str) -> bool:

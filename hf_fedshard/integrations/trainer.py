@@ -343,10 +343,12 @@ class FedShardMixin(Trainer):
             resume_from_checkpoint = self._join_quorum(resume_from_checkpoint)
         try:
             with explain_stalled_collectives(lambda: self.state.global_step, self.args.ddp_timeout):
-                return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+                output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         finally:
             if self.fed_federation is not None:
                 self.fed_federation.shutdown()
+        self._say_groups_apart_at_the_end()
+        return output
 
     # ---- Resuming on another layout ----
 
@@ -440,6 +442,20 @@ class FedShardMixin(Trainer):
                 self.args.fed_group_id, self._peer_state["trainer"]["global_step"],
             )  # fmt: skip
         return folder
+
+    def _say_groups_apart_at_the_end(self) -> None:
+        """torchft: name the groups that the final averaging ran without, though they averaged at the one before
+        (they left, or one side came more than fed_timeout_s after the other): the groups may end on other models."""
+        dropped = self.fed_federation.dropped_groups() if self.fed_federation is not None else []
+        if dropped and self.args.should_log:
+            logger.warning(
+                "hf_fedshard: fed_group%d's final averaging (step %d) ran without %s, which averaged with it at the "
+                "one before: they left, or one side reached it more than fed_timeout_s=%g s after the other. The "
+                "groups may end on different models. To wait longer at the end, raise --fed_timeout_s; to never end "
+                "apart, start the lighthouse with --min_groups %d (a group that dies then stops the others).",
+                self.args.fed_group_id, self.state.global_step, ", ".join(f"fed_group{g}" for g in dropped),
+                self.args.fed_exchange_timeout_s, self.args.fed_num_groups,
+            )  # fmt: skip
 
     def _check_peer_step(self, trainer_state: dict) -> None:
         """A heal during training (this group lost a round the others committed): the peer's state must be of this

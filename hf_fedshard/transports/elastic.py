@@ -177,6 +177,7 @@ class ElasticFederation:
         self.timeout_s, self.lighthouse = timeout_s, lighthouse
         self.heals = 0
         self.groups_averaged = 0  # groups in the last committed averaging
+        self.averaged: list[list[int]] = []  # the groups of the last two committed averagings, the older first
         self.lineage = 0  # `hf_fedshard.engine.rounds.next_lineage` of this group's commits (I8)
         self._members: list[int] = [group_id]  # the groups of the quorum (equal groups: from `_check_members`)
         self.quorum_seconds = 0.0
@@ -245,6 +246,7 @@ class ElasticFederation:
         if committed:  # the quorum of this averaging, before the next one forms
             groups = self._members if self.unequal is None else self.unequal.groups()
             self.groups_averaged = len(groups)
+            self.averaged = [*self.averaged[-1:], sorted(groups)]
             self.lineage = next_lineage(self.lineage, self.manager.current_step(), groups)
         return committed
 
@@ -270,9 +272,16 @@ class ElasticFederation:
             self._check_members()
         return Round(healed=self._healed, changed=changed)
 
+    def dropped_groups(self) -> list[int]:
+        """The groups of the averaging before the last one that the last one ran without: they left, or reached it
+        more than ``fed_timeout_s`` after this group (or it after them). After the final averaging of a run, they
+        end on other models than this group's."""
+        return sorted(set(self.averaged[0]) - set(self.averaged[1])) if len(self.averaged) == 2 else []
+
     def metrics(self) -> dict[str, float]:
         return {
             "fed_groups_in_quorum": self.groups_averaged,
+            "fed_groups_dropped": len(self.dropped_groups()),
             "fed_heals": self.heals,
             "fed_quorum_seconds": round(self.quorum_seconds, 6),
         }

@@ -110,6 +110,29 @@ def test_a_killed_group_leaves_and_heals_back_while_the_others_go_on(tmp_path):
         assert dumps[1][r]["seen"] == tail, labelled(f"group 1 rank {r}: samples read after the heal at {healed_at}")
 
 
+@pytest.mark.timeout(300)
+def test_groups_apart_at_the_final_averaging_each_name_the_other(tmp_path):
+    """2 groups × 1 rank, H = 4, 8 steps, fed_timeout_s 5; group 1 sleeps 20 s as step 8 begins. Group 0's final
+    averaging times out and runs without it; group 1's, later, without group 0: each says so in one line naming the
+    other, logs fed_groups_dropped 1, and they end on different models."""
+    args = [*TINY, "--max_steps", "8", "--fed_sync_steps", "4", "--fed_timeout_s", "5", "--sleep_group", "1",
+            "--sleep_at_step", "8", "--sleep_s", "20"]  # fmt: skip
+    with lighthouse(min_groups=1, join_timeout_s=2) as address:
+        results = [finish(launch, 240) for launch in [start_group(g, 2, 1, tmp_path, args, address) for g in (0, 1)]]
+    for g in (0, 1):
+        assert results[g].returncode == 0, results[g].stdout[-3000:]
+    dumps = [torch.load(tmp_path / f"dump{g}" / "rank0.pt", weights_only=False) for g in (0, 1)]
+    for g, other in ((0, 1), (1, 0)):
+        line = (
+            f"hf_fedshard: fed_group{g}'s final averaging (step 8) ran without fed_group{other}, which averaged with "
+            "it at the one before: they left, or one side reached it more than fed_timeout_s=5 s after the other"
+        )
+        assert results[g].stdout.count(line) == 1, results[g].stdout[-3000:]
+        (end,) = [h for h in dumps[g]["log_history"] if "train_runtime" in h]
+        assert (end["fed_groups_in_quorum"], end["fed_groups_dropped"]) == (1, 1)
+    assert any(not torch.equal(v, dumps[1]["local_params"][n]) for n, v in dumps[0]["local_params"].items())
+
+
 FAST = [*TINY, "--max_steps", "8", "--fed_sync_steps", "4", "--fed_timeout_s", "10"]
 
 

@@ -165,6 +165,12 @@ def test_the_card_says_how_many_groups_took_part_and_the_heals():
     rows = dict(quorum_rows(history, 4, history[-1]))
     assert rows["Groups per averaging (fewest–most logged)"] == "2–3 of 4"
     assert rows["Groups healed from a live peer"] == "1"
+    assert "Final averaging" not in rows
+    history[-1].update(fed_groups_in_quorum=2, fed_groups_dropped=1)
+    rows = dict(quorum_rows(history, 4, history[-1]))
+    assert rows["Final averaging"] == (
+        "2 groups, without 1 of the averaging before (they left or came late): the groups may hold different models"
+    )
 
 
 def test_the_trainer_state_taken_at_a_commit_is_asdicts_and_later_steps_do_not_change_it():
