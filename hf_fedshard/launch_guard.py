@@ -67,7 +67,7 @@ def _end(message: str) -> None:
 
 def check_restart_store() -> None:
     """Warn (rank 0, once) where torchrun would restart workers that read its shared store's stale addresses."""
-    if _restarts_share_the_store() and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    if _restarts_share_the_store() and not _restarted():
         notice(
             "torchrun --max-restarts=%s shares its rendezvous store with the workers it restarts, which then read "
             "the dead workers' addresses and fail or hang in init_process_group (pytorch/pytorch#135712). Export "
@@ -77,11 +77,17 @@ def check_restart_store() -> None:
 
 
 def _restarts_share_the_store() -> bool:
+    """Whether torchrun may restart this worker and shares its rendezvous store with the workers it starts."""
     return (
         under_torchelastic()
         and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
         and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
     )
+
+
+def _restarted() -> bool:
+    """Whether torchrun restarted this worker (attempt 1 or later)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
 def setup_timeout_s() -> float:
@@ -108,7 +114,7 @@ def setup_deadline() -> Iterator[None]:
     try:
         yield
     except RuntimeError as err:
-        if _restarts_share_the_store() and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        if _restarts_share_the_store() and _restarted():
             raise ConfigError(
                 "this worker, restarted by torchrun, could not set up the world's process group: torchrun shared "
                 "its rendezvous store with it, and it read the dead workers' addresses (pytorch/pytorch#135712). "
@@ -123,7 +129,7 @@ def _stalled_setup(seconds: float) -> str:
     cause = (
         "torchrun restarted it and shared its rendezvous store with it (pytorch/pytorch#135712): export "
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where you start torchrun"
-        if _restarts_share_the_store() and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if _restarts_share_the_store() and _restarted()
         else "another rank never started, or started far later: check every rank's log; if they only start slowly, "
         "raise HF_FEDSHARD_SETUP_TIMEOUT_S"
     )

@@ -8,6 +8,8 @@
 - ``collective_bytes``: a counter of the bytes handed to collectives that span federation groups;
 - ``study``: how a study's ``main`` runs (the lock, a scratch folder, the record of its command, ``--report-only``);
 - ``faults``, ``progress``: launches killed and restarted, and what they log as they go (the fault studies);
+- ``process_tree``: every launch below a keeper that stops all it started, torchrun's workers and orphans included
+  (also when the study is SIGKILLed); the studies and the tests start every launch through it;
 - `results_folder` (here): the one naming scheme of the folders under ``benchmarks/results/``.
 """
 
