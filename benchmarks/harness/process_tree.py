@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -32,7 +33,8 @@ from pathlib import Path
 
 KEEPER = Path(__file__).resolve()
 GRACE_S = 5.0  # between SIGTERM and SIGKILL: torchrun forwards SIGTERM to its workers and waits for them
-POLL_S = 0.05
+POLL_S = 0.05  # while processes are being stopped
+OWNER_POLL_S = 0.5  # how soon a keeper finds its owner gone
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -146,12 +148,18 @@ def keep(child: int, owner: int, grace_s: float = GRACE_S) -> int:
     for sig in _STOP_SIGNALS:
         signal.signal(sig, lambda signum, _frame: asked.append(signum))
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # tests.launch.dump_stacks asks every process below for its stacks
+    woken, wake = os.pipe()  # a signal writes here: the wait below ends at once on a stop request
+    for end in (woken, wake):
+        os.set_blocking(end, False)
+    signal.set_wakeup_fd(wake)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    ended = os.pidfd_open(child)  # readable once the command ended
     code = None
     while code is None and not asked and os.getppid() == owner:
+        select.select([ended, woken], [], [], OWNER_POLL_S)  # the command's end, a signal, or a look at the owner
+        with contextlib.suppress(BlockingIOError):
+            os.read(woken, 512)
         code = _reap(child)
-        if code is None:
-            time.sleep(POLL_S)
     if code is None:  # asked to stop, or orphaned: the command too gets its SIGTERM and grace
         code = _reap_after_stopping(child, grace_s)
         return code if code is not None else 128 + (asked[0] if asked else signal.SIGTERM)
