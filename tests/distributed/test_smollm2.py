@@ -23,8 +23,8 @@ SMOLLM2_PARAMETERS = 134_515_008  # 30 layers, hidden 576, vocabulary 49,152, ti
 def test_a_first_run_on_two_ranks_converts_smollm2_into_an_empty_cache_and_it_answers(tmp_path, monkeypatch):
     """2 ranks of plain torchrun (fresh interpreters), FL+FSDP with one rank per group, an empty HF_FEDSHARD_CACHE,
     rank 0 five seconds late so that rank 1 converts (under torch.distributed, where save_pretrained writes on rank
-    0 only: the folder used to be published without config or weights, 4 first runs of 4). About 110 s here: the
-    conversion (~40 s on 2 busy cores), one step and the export of the 134.5 M-parameter model."""
+    0 only: the folder used to be published without config or weights, 4 first runs of 4). 55–62 s in CI's runs
+    here: the conversion (27–28 s alone), one step and the export of the 134.5 M-parameter model."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("HF_FEDSHARD_CACHE", str(cache))
     (tmp_path / "train.txt").write_text("To be, or not to be, that is the question. " * 200)
