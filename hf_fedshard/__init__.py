@@ -22,6 +22,7 @@ import importlib
 from typing import Any
 
 _PUBLIC = {
+    "AveragingObserver": "hf_fedshard.engine.observer",
     "FedAvgCallback": "hf_fedshard.integrations.callback",
     "FederatedAverager": "hf_fedshard.averaging",
     "FedShardArgumentsMixin": "hf_fedshard.integrations.arguments",

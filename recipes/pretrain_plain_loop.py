@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import fields
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
@@ -26,6 +27,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, default_data_collator, set_seed
 
 from hf_fedshard import FederatedAverager, FederationLayout
+from hf_fedshard.engine import AveragingOptions
 from hf_fedshard.errors import ConfigError, exit_on_config_error
 from hf_fedshard.integrations.file_modes import follow_umask
 from hf_fedshard.tools.data import load_text, pack, train_bpe_tokenizer
@@ -37,14 +39,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--group_size", type=int, required=True, help="Ranks per federation group.")
     parser.add_argument("--shard_size", type=int, default=None, help="Ranks sharding one copy (FL+HSDP below it).")
-    parser.add_argument("--sync_steps", type=int, default=8, help="H: optimizer steps between averagings.")
-    parser.add_argument("--outer_optimizer", default="fedavg", choices=["fedavg", "nesterov"])
-    parser.add_argument("--sync_dtype", default="float32", choices=["float32", "bfloat16", "int8"])
-    parser.add_argument("--sync_overlap", type=int, default=0, help="τ: steps an exchange runs behind training.")
-    parser.add_argument(
-        "--round_policy", default="steps", choices=["steps", "speed"],
-        help="speed: each group trains the share of a round its speed allows (fed_round_policy).",
-    )  # fmt: skip
+    add_averaging_arguments(parser, AVERAGING)
     parser.add_argument("--model_size", default="tiny", choices=list(PRESETS))
     parser.add_argument(
         "--model_name_or_path", default=None, help=f"Start from this model (folder, Hub id, or {SMOLLM2} offline)."
@@ -61,6 +56,19 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output_dir", default=None, help="Save the global model here (save_pretrained).")
     parser.add_argument("--seed", type=int, default=42)
     return parser
+
+
+AVERAGING = ("sync_steps", "outer_optimizer", "sync_dtype", "sync_overlap", "round_policy")  # this recipe's flags
+
+
+def add_averaging_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    """``--<name>`` for each averaging setting in ``names``, with the engine's default, choices and help (their one
+    source, `hf_fedshard.engine.options.AveragingOptions`)."""
+    declared = {f.name: f for f in fields(AveragingOptions)}
+    for name in names:
+        setting = declared[name]
+        parser.add_argument(f"--{name}", type=type(setting.default), default=setting.default,
+                            choices=setting.metadata.get("choices"), help=setting.metadata["help"])  # fmt: skip
 
 
 def shard(model: torch.nn.Module, mesh) -> None:
@@ -97,10 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     mesh = layout.build_mesh(accelerator.device.type)
     shard(model, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.learning_rate)
-    averager = FederatedAverager(
-        model, optimizer, mesh, sync_steps=opts.sync_steps, outer_optimizer=opts.outer_optimizer,
-        sync_dtype=opts.sync_dtype, sync_overlap=opts.sync_overlap, round_policy=opts.round_policy,
-    )  # fmt: skip
+    averager = FederatedAverager(model, optimizer, mesh, **{name: getattr(opts, name) for name in AVERAGING})
     batches = dict(batch_size=opts.batch_size, collate_fn=default_data_collator, drop_last=True)
     train = accelerator.prepare(DataLoader(blocks["train"].with_format("torch"), shuffle=True, **batches))
     evaluation = blocks["validation"].select(range(min(opts.max_eval_samples, len(blocks["validation"]))))

@@ -16,7 +16,7 @@ from hf_fedshard.engine.payload import load_model_state, model_state_tensors
 from hf_fedshard.engine.rounds import HealState
 from hf_fedshard.transports.simulated import FakeLighthouse, Launch, SimulatedFederation, Simulation
 
-from .unit.test_engine import build, train_step
+from .tiny_federation import build, train_step
 
 H, STEPS, STEP_S, CHECKPOINT_EVERY = 4, 24, 1.0, 8
 TIMEOUT_S, JOIN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S = 20.0, 3.0, 5.0

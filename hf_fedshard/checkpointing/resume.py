@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import nn
@@ -37,7 +38,6 @@ from hf_fedshard.checkpointing.checkpoint import (
 from hf_fedshard.checkpointing.manifest import MANIFEST_NAME, checksum_problem, read_manifest, size_problem
 from hf_fedshard.checkpointing.reshard import changes_layout
 from hf_fedshard.errors import ConfigError
-from hf_fedshard.integrations.arguments import FedShardTrainingArguments
 from hf_fedshard.topology import FederationLayout
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,19 @@ logger = logging.getLogger(__name__)
 Problems = dict[int, str]  # rank -> what that rank found wrong with one checkpoint
 
 
+@dataclass(frozen=True)
+class ResumeSettings:
+    """What the resume reads of a run's settings (the Trainer's arguments give them; `FedShardMixin.train`)."""
+
+    output_dir: str  # where the run's checkpoints are
+    auto_resume: bool  # fed_auto_resume: without an explicit checkpoint, resume from the newest that verifies
+    launch_per_group: bool  # every group its own launch (torchft): only the steps every group has are candidates
+    rank: int  # this rank, in its launch
+    writes: bool  # this rank renames damaged checkpoints aside (one per launch)
+
+
 def resumable_checkpoint(
-    requested: str | bool | None, args: FedShardTrainingArguments, layout: FederationLayout, model: nn.Module
+    requested: str | bool | None, run: ResumeSettings, layout: FederationLayout, model: nn.Module
 ) -> str | bool | None:
     """What ``train()`` resumes from: ``requested`` verified, or for ``True``/``fed_auto_resume`` the newest
     checkpoint of ``output_dir`` that verifies (``None``: start afresh). A collective when there is a candidate.
@@ -54,16 +65,16 @@ def resumable_checkpoint(
     Raises `ConfigError` (on every rank) for a checkpoint of another layout or model, an explicit path that does
     not verify, or when no candidate of ``output_dir`` verifies.
     """
-    if requested is None and not args.fed_auto_resume:
+    if requested is None and not run.auto_resume:
         return None
     explicit = isinstance(requested, str)
-    candidates = [requested] if explicit else complete_checkpoints(args.output_dir)
-    common = steps_every_group_has(args.output_dir) if args.fed_launch_per_group and not explicit else None
+    candidates = [requested] if explicit else complete_checkpoints(run.output_dir)
+    common = steps_every_group_has(run.output_dir) if run.launch_per_group and not explicit else None
     if common is not None:  # torchft: a restart of every group resumes from the newest step they all have
         candidates = [c for c in candidates if int(c.rsplit("-", 1)[-1]) in common]
     if not candidates:
         return requested
-    rank = args.process_index
+    rank = run.rank
     sizes = _gather([_size_problem(c, layout, model, rank) for c in candidates])
     skipped: list[tuple[str, Problems]] = []
     chosen = None
@@ -79,11 +90,11 @@ def resumable_checkpoint(
     if explicit and skipped:
         raise ConfigError(f"resume_from_checkpoint={requested} does not verify: {_describe(skipped[0][1])}. "
                           "Resume from another checkpoint (or none).")  # fmt: skip
-    _set_aside_damaged(skipped, args.should_save)
+    _set_aside_damaged(skipped, run.writes)
     if chosen is None:
         listing = "; ".join(f"{os.path.basename(c)}: {_describe(p)}" for c, p in skipped)
         raise ConfigError(
-            f"no checkpoint of {args.output_dir} verifies ({listing}). Damaged ones were renamed "
+            f"no checkpoint of {run.output_dir} verifies ({listing}). Damaged ones were renamed "
             "damaged-checkpoint-N; start afresh in another output_dir, or repair and rename one back."
         )
     return chosen

@@ -7,11 +7,13 @@ exchange and its codec (`exchange`, `codec`), the control all-reduce (`control`)
 
 from hf_fedshard.engine.averager import FederatedAverager
 from hf_fedshard.engine.communicator import Communicator, FederationCommunicator, ProcessGroupCommunicator
+from hf_fedshard.engine.observer import AveragingObserver
 from hf_fedshard.engine.options import AveragingOptions
 from hf_fedshard.engine.resumable import check_state
 from hf_fedshard.engine.settings_history import AveragingSettings, History
 
 __all__ = [
+    "AveragingObserver",
     "AveragingOptions",
     "AveragingSettings",
     "Communicator",

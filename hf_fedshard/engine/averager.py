@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -39,7 +39,8 @@ from hf_fedshard.engine.counters import Counters
 from hf_fedshard.engine.exchange import Exchange
 from hf_fedshard.engine.failures import explain_failures
 from hf_fedshard.engine.fragments import Fragment, fragment_ranges
-from hf_fedshard.engine.options import AveragingOptions
+from hf_fedshard.engine.observer import AveragingObserver
+from hf_fedshard.engine.options import AveragingOptions, averaging_options
 from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat, outer_state_device
 from hf_fedshard.engine.overlap import InFlight, Worker
 from hf_fedshard.engine.payload import (
@@ -96,8 +97,8 @@ class FederatedAverager:
         communicator: the cross-group collectives a transport gives (`hf_fedshard.engine.communicator`), or a
             function that builds them from the checked options (how `hf_fedshard.FederatedAverager` turns a mesh
             into the one-job transport's).
-        sync_steps … min_round_steps: the ``fed_*`` settings without the prefix (`FedShardArgumentsMixin` documents
-            each).
+        **settings: the averaging settings, `AveragingOptions`' fields (``sync_steps=8``, ``sync_dtype="int8"``,
+            ...): the ``fed_*`` settings without the prefix, declared and documented there.
         before_eval: called on every rank before the global model is lent for an evaluation that sees the groups
             differ, while each group still holds its own model (the Trainer's per-group evaluation).
         average_initial_weights: ``False`` when a `load_state_dict` follows (a resume), which must then come
@@ -115,29 +116,12 @@ class FederatedAverager:
         mesh: DeviceMesh | None = None,
         *,
         communicator: FederationCommunicator | Callable[[AveragingOptions], FederationCommunicator] | None = None,
-        sync_steps: int = 8,
-        average_optimizer_state: bool = False,
-        outer_optimizer: str = "fedavg",
-        outer_lr: float | None = None,
-        outer_momentum: float | None = None,
-        sync_dtype: str = "float32",
-        split_exchange: bool = True,
-        sync_fragments: int = 1,
-        sync_overlap: int = 0,
-        outer_state_on_device: bool = False,
-        timeout_s: float | None = None,
-        round_policy: str = "steps",
-        min_round_steps: int = 1,
         before_eval: Callable[[], None] | None = None,
         average_initial_weights: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        **settings: Any,
     ) -> None:
-        options = AveragingOptions(
-            sync_steps=sync_steps, average_optimizer_state=average_optimizer_state, outer_optimizer=outer_optimizer,
-            outer_lr=outer_lr, outer_momentum=outer_momentum, sync_dtype=sync_dtype, split_exchange=split_exchange,
-            sync_fragments=sync_fragments, sync_overlap=sync_overlap, outer_state_on_device=outer_state_on_device,
-            timeout_s=timeout_s, round_policy=round_policy, min_round_steps=min_round_steps,
-        )  # fmt: skip
+        options = averaging_options(settings)
         self.options, self.schedule, self.settings = options, options.schedule, options.settings
         trainable = _check_model_and_optimizer(model, optimizer, mesh)
         ranges = fragment_ranges(model, trainable, self.schedule.fragments)  # refuses F > units: no collective yet
@@ -165,6 +149,7 @@ class FederatedAverager:
         self._loaded = average_initial_weights
         self._finished = self._lending = False
         self._groups_evaluated_at: int | None = None
+        self._observers: list[AveragingObserver] = []
         if average_initial_weights:
             self._average_initial_weights()
         params = model_state_tensors(model)[: self._trainable]
@@ -173,7 +158,7 @@ class FederatedAverager:
         self.fragments = [
             Fragment(i, a, b, OuterOptimizer(params[a:b], lr, momentum, device)) for i, (a, b) in enumerate(ranges)
         ]
-        self.rounds = RoundPlan(sync_steps, min_round_steps, clock) if options.speed_aware else None
+        self.rounds = RoundPlan(options.sync_steps, options.min_round_steps, clock) if options.speed_aware else None
         self._describe(trainable, device)
         if self.comm.membership is not None:  # a joining group heals from this group's state of the last commit
             self.comm.membership.heal.register("averager", self.peer_state, self.load_peer_state)
@@ -320,6 +305,14 @@ class FederatedAverager:
         load_model_state(self.model, state["model"])
         self.load_state_dict(state["averager"])
 
+    def add_observer(self, observer: AveragingObserver) -> None:
+        """Call ``observer`` at each averaging from now on (`hf_fedshard.engine.observer`)."""
+        self._observers.append(observer)
+
+    def _tell(self, event: str, *args: Any) -> None:
+        for observer in self._observers:
+            getattr(observer, event)(*args)
+
     def metrics(self) -> dict[str, float]:
         """The ``fed_*`` values to log (``fed_delta_norm`` and ``fed_group_drift`` are the averaging's before the
         last one until `finish`, see `hf_fedshard.engine.control`), and the transport's own (torchft's quorum)."""
@@ -400,12 +393,14 @@ class FederatedAverager:
         params, others = tensors[: self._trainable], tensors[self._trainable :]
         if self.schedule.fragments - 1 not in indices:
             others = []
+        self._tell("averaging", self.step_count, list(indices))
         begin = time.perf_counter()
 
         def apply(result: _Exchanged) -> None:
             self._apply_exchanged(indices, params, others, result, time.perf_counter() - begin)
 
         self._in_round(lambda: self._exchange_fragments(indices, tensors, params, others), apply)
+        self._tell("averaged", self.step_count, list(indices))
 
     def _exchange_fragments(
         self,
@@ -460,8 +455,9 @@ class FederatedAverager:
             self.rounds.next_round(result.speeds, self.comm.group)
         self.counters.inter_group_bytes += result.sent
         with torch.no_grad():
-            for index, mean in zip(indices, result.means, strict=True):
+            for index, deltas, mean in zip(indices, result.deltas, result.means, strict=True):
                 fragment = self.fragments[index]
+                self._tell("exchanged", self.step_count, index, _sent(deltas, result, self.comm.group), mean)
                 fragment.outer.step(mean, fragment.of(params))
                 fragment.averaged_at = self.step_count
             for tensor, averaged in zip(others, result.plain, strict=True):
@@ -495,6 +491,7 @@ class FederatedAverager:
     def _start(self, fragment: Fragment) -> None:
         """Start ``fragment``'s exchange on the worker thread; `_apply` finishes it ``overlap`` steps later."""
         step = self.step_count
+        self._tell("exchange_started", step, fragment.index)
         begin = time.perf_counter()
         tensors = model_state_tensors(self.model)
         params, others = tensors[: self._trainable], tensors[self._trainable :]
@@ -514,6 +511,7 @@ class FederatedAverager:
     def _apply(self, fragment: Fragment) -> None:
         """Finish ``fragment``'s exchange: the outer step on its mean Δ, keeping the local progress made since."""
         flight = fragment.in_flight
+        self._tell("applying", self.step_count, fragment.index, flight.start_step)
         waited = self._wait_in_flight()
         begin = time.perf_counter()
         with self._explain(flight.start_step):
@@ -524,6 +522,7 @@ class FederatedAverager:
             deltas, means, flight.contribute, self.comm.group, self.comm.num_groups, len(flight.diverged)
         )
         fragment.in_flight = None
+        self._tell("exchanged", self.step_count, fragment.index, deltas, means)
         mine_diverged = self.comm.group in flight.diverged
         fragment.outer.step(means, fragment.of(params), None if mine_diverged else flight.snapshots)
         _synchronize(params)
@@ -531,6 +530,7 @@ class FederatedAverager:
         self.counters.count(flight.blocked_s + time.perf_counter() - begin, waited)
         if flight.diverged:
             self._restart_diverged(flight.diverged, params, keep=[fragment.index])
+        self._tell("applied", self.step_count, fragment.index)
 
     def _agree(self, tensors: list[torch.Tensor]) -> list[int]:
         """The averaging's control all-reduce: which groups hold a NaN/Inf in ``tensors``; publishes the norms."""
@@ -779,6 +779,12 @@ def _check_dim0_shards(model: nn.Module) -> None:
 
 def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def _sent(deltas: list[torch.Tensor], result: _Exchanged, group: int) -> list[torch.Tensor]:
+    """What this rank sent of ``deltas`` in ``result``'s exchange: Δ, times its group's trained steps in a speed-aware
+    round (`FederatedAverager._speed_weights`)."""
+    return deltas if result.speeds is None else [d * result.speeds.trained[group] for d in deltas]
 
 
 def _synchronize(tensors: list[torch.Tensor]) -> None:

@@ -1,38 +1,122 @@
-"""The averaging options: the ``fed_*`` settings without their prefix, checked once for every way in.
+"""The averaging options: the ``fed_*`` settings without their prefix, declared once and checked once for every way in.
 
-`FedShardTrainingArguments` (the Trainer) and `FederatedAverager` (a plain loop) build the same `AveragingOptions`,
-so bad values get the same one-line error, naming the setting and the fix, before any collective.
+Each field here is the one source of its setting's name, type, default and help: `FedShardTrainingArguments` (the
+Trainer) derives its ``fed_<name>`` fields from them, `FederatedAverager` (a plain loop) takes them as keyword
+arguments, and tests/unit/test_settings.py checks both and the README's settings table against them. Both ways build
+the same `AveragingOptions`, so bad values get the same one-line error, naming the setting and the fix, before any
+collective.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from hf_fedshard.engine.codec import SYNC_DTYPES
 from hf_fedshard.engine.fragments import Schedule
-from hf_fedshard.engine.outer import OUTER_OPTIMIZERS, outer_hyperparameters
+from hf_fedshard.engine.outer import NESTEROV_DEFAULTS, OUTER_OPTIMIZERS, outer_hyperparameters
 from hf_fedshard.engine.settings_history import AveragingSettings
 from hf_fedshard.engine.speed import ROUND_POLICIES
 from hf_fedshard.errors import ConfigError
 
 
+def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A setting's field: its default, and its help (the command line's, through `HfArgumentParser`)."""
+    return field(default=default, metadata={"help": help, **({"choices": list(choices)} if choices else {})})
+
+
 @dataclass(frozen=True)
 class AveragingOptions:
-    """How the groups average (see `FedShardArgumentsMixin` for each ``fed_*`` field's meaning and default)."""
+    """How the groups average; each field is the setting ``fed_<field>`` of `FedShardTrainingArguments`.
 
-    sync_steps: int = 8
-    average_optimizer_state: bool = False
-    outer_optimizer: str = "fedavg"
-    outer_lr: float | None = None
-    outer_momentum: float | None = None
-    sync_dtype: str = "float32"
-    split_exchange: bool = True
-    sync_fragments: int = 1
-    sync_overlap: int = 0
-    outer_state_on_device: bool = False
-    timeout_s: float | None = None
-    round_policy: str = "steps"
-    min_round_steps: int = 1
+    Averaging:
+        sync_steps: H, optimizer steps between two averagings (the paper's 8).
+        average_optimizer_state: also average the optimizer's moments; off in the paper, and it doubles or
+            triples the inter-group bytes with Adam.
+        outer_optimizer: how an averaging moves the global model with the groups' mean pseudo-gradient
+            Δ = anchor − local. ``"fedavg"``: SGD with lr 1 (the plain average of the models); ``"nesterov"``: SGD
+            with Nesterov momentum (DiLoCo).
+        outer_lr: the nesterov outer learning rate (``None``: 0.7). Not for fedavg.
+        outer_momentum: the nesterov outer momentum, in [0, 1) (``None``: 0.9).
+        sync_dtype: the dtype of Δ between groups: ``"float32"``, ``"bfloat16"`` (half the bytes) or ``"int8"`` (a
+            quarter, plus one fp32 scale per 256 values); the sum is always accumulated in fp32 and every group
+            decodes the same bytes.
+        split_exchange: FL+HSDP only: each of the Q replicas of a group sends 1/Q of its shard between groups and
+            the group all-gathers the rest, so the slow tier carries the payload once per group instead of Q times
+            (same result).
+
+    Streaming and overlap (docs/overlap.md):
+        sync_fragments: F, fragments of whole FSDP units (balanced by bytes), each with its own anchor and outer
+            momentum; fragment f averages on the steps ≡ (f + 1)·H/F (mod H), so the inter-group link carries 1/F
+            of the model every H/F steps. Must divide ``sync_steps``.
+        sync_overlap: τ, steps an exchange runs behind training before it is applied (new anchor + the local
+            progress made meanwhile). 0 blocks; must be below H/F.
+        outer_state_on_device: keep the anchors and outer momentum of CUDA shards on the GPU; by default they live
+            in pinned CPU memory.
+
+    Groups of different speeds (docs/speed_aware_rounds.md):
+        round_policy: ``"steps"``: every group trains all H steps of a round, and the faster groups wait for the
+            slowest at every averaging. ``"speed"``: each group trains as many of the round's H steps as its
+            measured speed allows (the fastest all H, a group half as fast H/2) and reads past the rest of the
+            round's batches untrained, so the groups reach the averaging together; the mean of Δ is weighted by the
+            samples each group trained. ``max_steps``, the LR schedule, evaluations, checkpoints and the data
+            position keep counting the federation's steps.
+        min_round_steps: with ``"speed"``, the fewest of a round's steps a group trains.
+
+    Fault tolerance (docs/fault_tolerance.md):
+        timeout_s: seconds an averaging waits for the other groups before it fails with an error naming this
+            setting. ``None``: the Trainer's ``ddp_timeout`` (30 minutes by default), which bounds every other
+            collective across groups, on CPU too; in a plain loop, PyTorch's default process-group timeout.
+    """
+
+    sync_steps: int = _setting(8, "H: optimizer steps between two averagings of the model across groups.")
+    average_optimizer_state: bool = _setting(
+        False, "Also average the optimizer's moments across groups (more inter-group bytes)."
+    )
+    outer_optimizer: str = _setting(
+        "fedavg",
+        "Outer optimizer of the averagings, on the groups' mean pseudo-gradient: fedavg (plain average) or nesterov "
+        "(DiLoCo).",
+        tuple(OUTER_OPTIMIZERS),
+    )
+    outer_lr: float | None = _setting(None, f"Outer learning rate of nesterov (default {NESTEROV_DEFAULTS['lr']}).")
+    outer_momentum: float | None = _setting(
+        None, f"Outer momentum of nesterov, in [0, 1) (default {NESTEROV_DEFAULTS['momentum']})."
+    )
+    sync_dtype: str = _setting(
+        "float32",
+        "Dtype of the pseudo-gradient between groups: float32, bfloat16 (1/2 the bytes) or int8 (about 1/4); summed "
+        "in fp32.",
+        tuple(SYNC_DTYPES),
+    )
+    split_exchange: bool = _setting(
+        True, "FL+HSDP: each replica sends 1/Q of the shard between groups (Q times fewer bytes)."
+    )
+    sync_fragments: int = _setting(
+        1,
+        "F: averaging streams F fragments of whole FSDP units, fragment f on the steps ≡ (f+1)·H/F (mod H); must "
+        "divide fed_sync_steps.",
+    )
+    sync_overlap: int = _setting(
+        0,
+        "τ: an exchange runs behind τ more training steps before it is applied (keeping their progress); 0 blocks. "
+        "Must be below fed_sync_steps / fed_sync_fragments.",
+    )
+    outer_state_on_device: bool = _setting(
+        False, "Keep CUDA anchors and outer momentum on the GPU (default: pinned CPU memory)."
+    )
+    timeout_s: float | None = _setting(
+        None,
+        "Seconds an averaging waits for the other groups before failing with an error. Default: the world's "
+        "ddp_timeout.",
+    )
+    round_policy: str = _setting(
+        "steps",
+        "steps: every group trains all fed_sync_steps of a round (the others wait for the slowest); speed: each "
+        "group trains as many as its measured speed allows, so they arrive together.",
+        tuple(ROUND_POLICIES),
+    )
+    min_round_steps: int = _setting(1, "fed_round_policy speed: the fewest of a round's steps a slow group trains.")
 
     def __post_init__(self) -> None:
         if self.sync_steps < 1:
@@ -114,3 +198,15 @@ class AveragingOptions:
     def schedule(self) -> Schedule:
         """When each fragment of the model averages (`hf_fedshard.engine.fragments`)."""
         return Schedule(self.sync_steps, self.sync_fragments, self.sync_overlap)
+
+
+def averaging_options(settings: dict[str, Any]) -> AveragingOptions:
+    """`AveragingOptions` of keyword ``settings`` (a plain loop's), refusing a name it does not know in one line."""
+    known = [f.name for f in fields(AveragingOptions)]
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"FederatedAverager got {', '.join(map(repr, unknown))}, which is not an averaging setting. The settings "
+            f"are {', '.join(known)} (the fed_* settings without the prefix)."
+        )
+    return AveragingOptions(**settings)

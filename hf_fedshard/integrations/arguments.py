@@ -13,26 +13,31 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import TrainingArguments
 from transformers.trainer_utils import IntervalStrategy
 
-from hf_fedshard.engine.codec import SYNC_DTYPES
 from hf_fedshard.engine.fragments import Schedule
 from hf_fedshard.engine.options import AveragingOptions
-from hf_fedshard.engine.outer import NESTEROV_DEFAULTS, OUTER_OPTIMIZERS
 from hf_fedshard.engine.settings_history import AveragingSettings
-from hf_fedshard.engine.speed import ROUND_POLICIES
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.timeouts import start_world_process_group
 from hf_fedshard.launch_guard import check_restart_store, setup_deadline, watch_launcher
 from hf_fedshard.notices import notice as _notice
 from hf_fedshard.topology import FederationLayout, parse_group_size
 from hf_fedshard.transports import TRAINER_TRANSPORTS, TRANSPORTS
+
+
+def averaging_setting(name: str) -> Any:
+    """The field of ``fed_<name>``: `AveragingOptions`' default and help, their one source (its type is written beside
+    the field, and tests/unit/test_settings.py checks it is the engine's)."""
+    declared = {f.name: f for f in fields(AveragingOptions)}[name]
+    return field(default=declared.default, metadata=dict(declared.metadata))
 
 
 def _env_flag(name: str) -> bool:
@@ -54,39 +59,13 @@ class FedShardArgumentsMixin:
             group size (FL+FSDP); a divisor of it gives FL+HSDP with `fed_group_size // fed_shard_size`
             replicas per group.
 
-    Averaging:
-        fed_sync_steps (`int`, defaults to 8): H, optimizer steps between two averagings (the paper's 8).
-        fed_average_optimizer_state (`bool`, defaults to `False`): also average the optimizer's moments;
-            off in the paper, and it doubles or triples the inter-group bytes with Adam.
-        fed_outer_optimizer (`str`, defaults to `"fedavg"`): how an averaging moves the global model with the
-            groups' mean pseudo-gradient Δ = anchor − local. `"fedavg"`: SGD with lr 1 (the plain average of the
-            models); `"nesterov"`: SGD with Nesterov momentum (DiLoCo).
-        fed_outer_lr (`float`, *optional*): the nesterov outer learning rate (default 0.7). Not for fedavg.
-        fed_outer_momentum (`float`, *optional*): the nesterov outer momentum, in [0, 1) (default 0.9).
-        fed_sync_dtype (`str`, defaults to `"float32"`): the dtype of Δ between groups: `"float32"`,
-            `"bfloat16"` (half the bytes) or `"int8"` (a quarter, plus one fp32 scale per 256 values); the sum is
-            always accumulated in fp32 and every group decodes the same bytes.
-        fed_split_exchange (`bool`, defaults to `True`): FL+HSDP only: each of the Q replicas of a group sends
-            1/Q of its shard between groups and the group all-gathers the rest, so the slow tier carries the
-            payload once per group instead of Q times (same result).
-
-    Streaming and overlap (docs/overlap.md):
-        fed_sync_fragments (`int`, defaults to 1): F, fragments of whole FSDP units (balanced by bytes), each with
-            its own anchor and outer momentum; fragment f averages on the steps ≡ (f + 1)·H/F (mod H), so the
-            inter-group link carries 1/F of the model every H/F steps. Must divide `fed_sync_steps`.
-        fed_sync_overlap (`int`, defaults to 0): τ, steps an exchange runs behind training before it is applied
-            (new anchor + the local progress made meanwhile). 0 blocks; must be below H/F.
-        fed_outer_state_on_device (`bool`, defaults to `False`): keep the anchors and outer momentum of CUDA
-            shards on the GPU; by default they live in pinned CPU memory.
-
-    Groups of different speeds (docs/speed_aware_rounds.md):
-        fed_round_policy (`str`, defaults to `"steps"`): `"steps"`: every group trains all H steps of a round, and
-            the faster groups wait for the slowest at every averaging. `"speed"`: each group trains as many of
-            the round's H steps as its measured speed allows (the fastest all H, a group half as fast H/2) and
-            reads past the rest of the round's batches untrained, so the groups reach the averaging together;
-            the mean of Δ is weighted by the samples each group trained. `max_steps`, the LR schedule,
-            evaluations, checkpoints and the data position keep counting the federation's steps.
-        fed_min_round_steps (`int`, defaults to 1): with `"speed"`, the fewest of a round's steps a group trains.
+    Averaging, streaming, groups of different speeds (docs/overlap.md, docs/speed_aware_rounds.md):
+        fed_sync_steps, fed_average_optimizer_state, fed_outer_optimizer, fed_outer_lr, fed_outer_momentum,
+        fed_sync_dtype, fed_split_exchange, fed_sync_fragments, fed_sync_overlap, fed_outer_state_on_device,
+        fed_round_policy, fed_min_round_steps, fed_timeout_s: the fields of
+        `hf_fedshard.engine.options.AveragingOptions` with the ``fed_`` prefix; their type, default, help and
+        meaning are declared there once (a plain loop passes the same settings to `FederatedAverager`), and
+        `fed_averaging_options` builds them. ``fed_timeout_s`` unset uses ``ddp_timeout``.
 
     Evaluation:
         fed_eval_per_group (`bool`, defaults to `False`): at each evaluation during training, first evaluate
@@ -95,9 +74,6 @@ class FedShardArgumentsMixin:
             reads the whole eval set over its own ranks, so an evaluation costs about twice as much.
 
     Fault tolerance (docs/fault_tolerance.md):
-        fed_timeout_s (`float`, *optional*): seconds an averaging waits for the other groups before it fails
-            with an error naming this setting. `None` uses `ddp_timeout` (30 minutes by default), which bounds
-            every other collective across groups, on CPU too.
         fed_auto_resume (`bool`, defaults to `False`): `train()` resumes from the newest verifying checkpoint in
             `output_dir` when there is one (and starts afresh otherwise), so that a job restarted by
             `torchrun --max-restarts=N` continues where it stopped. Needs `save_strategy="steps"` or `"epoch"`.
@@ -141,72 +117,18 @@ class FedShardArgumentsMixin:
             "a divisor of it gives FL+HSDP."
         },
     )
-    fed_sync_steps: int = field(
-        default=8,
-        metadata={"help": "H: optimizer steps between two averagings of the model across groups."},
-    )
-    fed_average_optimizer_state: bool = field(
-        default=False,
-        metadata={"help": "Also average the optimizer's moments across groups (more inter-group bytes)."},
-    )
-    fed_outer_optimizer: str = field(
-        default="fedavg",
-        metadata={
-            "help": "Outer optimizer of the averagings, on the groups' mean pseudo-gradient: fedavg (plain average) "
-            "or nesterov (DiLoCo).",
-            "choices": list(OUTER_OPTIMIZERS),
-        },
-    )
-    fed_outer_lr: float | None = field(
-        default=None,
-        metadata={"help": f"Outer learning rate of nesterov (default {NESTEROV_DEFAULTS['lr']})."},
-    )
-    fed_outer_momentum: float | None = field(
-        default=None,
-        metadata={"help": f"Outer momentum of nesterov, in [0, 1) (default {NESTEROV_DEFAULTS['momentum']})."},
-    )
-    fed_sync_dtype: str = field(
-        default="float32",
-        metadata={
-            "help": "Dtype of the pseudo-gradient between groups: float32, bfloat16 (1/2 the bytes) or int8 "
-            "(about 1/4); summed in fp32.",
-            "choices": list(SYNC_DTYPES),
-        },
-    )
-    fed_split_exchange: bool = field(
-        default=True,
-        metadata={"help": "FL+HSDP: each replica sends 1/Q of the shard between groups (Q times fewer bytes)."},
-    )
-    fed_sync_fragments: int = field(
-        default=1,
-        metadata={
-            "help": "F: averaging streams F fragments of whole FSDP units, fragment f on the steps ≡ (f+1)·H/F "
-            "(mod H); must divide fed_sync_steps."
-        },
-    )
-    fed_sync_overlap: int = field(
-        default=0,
-        metadata={
-            "help": "τ: an exchange runs behind τ more training steps before it is applied (keeping their "
-            "progress); 0 blocks. Must be below fed_sync_steps / fed_sync_fragments."
-        },
-    )
-    fed_outer_state_on_device: bool = field(
-        default=False,
-        metadata={"help": "Keep CUDA anchors and outer momentum on the GPU (default: pinned CPU memory)."},
-    )
-    fed_round_policy: str = field(
-        default="steps",
-        metadata={
-            "help": "steps: every group trains all fed_sync_steps of a round (the others wait for the slowest); "
-            "speed: each group trains as many as its measured speed allows, so they arrive together.",
-            "choices": list(ROUND_POLICIES),
-        },
-    )
-    fed_min_round_steps: int = field(
-        default=1,
-        metadata={"help": "fed_round_policy speed: the fewest of a round's steps a slow group trains."},
-    )
+    fed_sync_steps: int = averaging_setting("sync_steps")
+    fed_average_optimizer_state: bool = averaging_setting("average_optimizer_state")
+    fed_outer_optimizer: str = averaging_setting("outer_optimizer")
+    fed_outer_lr: float | None = averaging_setting("outer_lr")
+    fed_outer_momentum: float | None = averaging_setting("outer_momentum")
+    fed_sync_dtype: str = averaging_setting("sync_dtype")
+    fed_split_exchange: bool = averaging_setting("split_exchange")
+    fed_sync_fragments: int = averaging_setting("sync_fragments")
+    fed_sync_overlap: int = averaging_setting("sync_overlap")
+    fed_outer_state_on_device: bool = averaging_setting("outer_state_on_device")
+    fed_round_policy: str = averaging_setting("round_policy")
+    fed_min_round_steps: int = averaging_setting("min_round_steps")
     fed_eval_per_group: bool = field(
         default=False,
         metadata={
@@ -214,13 +136,7 @@ class FedShardArgumentsMixin:
             "average (eval_group{g}_perplexity; one line per group in the card's plot)."
         },
     )
-    fed_timeout_s: float | None = field(
-        default=None,
-        metadata={
-            "help": "Seconds an averaging waits for the other groups before failing with an error. "
-            "Default: the world's ddp_timeout."
-        },
-    )
+    fed_timeout_s: float | None = averaging_setting("timeout_s")
     fed_auto_resume: bool = field(
         default=False,
         metadata={
@@ -313,21 +229,7 @@ class FedShardArgumentsMixin:
     @property
     def fed_averaging_options(self) -> AveragingOptions:
         """The averaging settings as the engine takes them (`FederatedAverager`'s keywords), checked on construction."""
-        return AveragingOptions(
-            sync_steps=self.fed_sync_steps,
-            average_optimizer_state=self.fed_average_optimizer_state,
-            outer_optimizer=self.fed_outer_optimizer,
-            outer_lr=self.fed_outer_lr,
-            outer_momentum=self.fed_outer_momentum,
-            sync_dtype=self.fed_sync_dtype,
-            split_exchange=self.fed_split_exchange,
-            sync_fragments=self.fed_sync_fragments,
-            sync_overlap=self.fed_sync_overlap,
-            outer_state_on_device=self.fed_outer_state_on_device,
-            timeout_s=self.fed_timeout_s,
-            round_policy=self.fed_round_policy,
-            min_round_steps=self.fed_min_round_steps,
-        )
+        return AveragingOptions(**{f.name: getattr(self, f"fed_{f.name}") for f in fields(AveragingOptions)})
 
     @property
     def fed_averaging_settings(self) -> AveragingSettings:

@@ -54,7 +54,7 @@ from hf_fedshard.checkpointing.reshard import (
     load_resharded_averaging_state,
     mean_of_old_groups,
 )
-from hf_fedshard.checkpointing.resume import load_on_every_rank, resumable_checkpoint
+from hf_fedshard.checkpointing.resume import ResumeSettings, load_on_every_rank, resumable_checkpoint
 from hf_fedshard.engine import FederationCommunicator, ProcessGroupCommunicator
 from hf_fedshard.engine.payload import all_finite, load_model_state, model_state_tensors
 from hf_fedshard.engine.rounds import HealState
@@ -327,7 +327,9 @@ class FedShardMixin(Trainer):
         self._layout_change, self._resume_record, self._resumed_position = None, None, None
         layout = self.args.fed_launch_layout  # what a checkpoint holds: this job's groups (torchft: its one group)
         if self.fed_callback is not None:
-            resume_from_checkpoint = resumable_checkpoint(resume_from_checkpoint, self.args, layout, self.model)
+            run = ResumeSettings(self.args.output_dir, self.args.fed_auto_resume, self.args.fed_launch_per_group,
+                                 self.args.process_index, self.args.should_save)  # fmt: skip
+            resume_from_checkpoint = resumable_checkpoint(resume_from_checkpoint, run, layout, self.model)
         elif auto:
             resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
         if isinstance(resume_from_checkpoint, str):

@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, set_seed
 
-from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
+from hf_fedshard import AveragingObserver, FedShardTrainer, FedShardTrainingArguments
 from hf_fedshard.integrations.fsdp import loads_weights
 from hf_fedshard.tools.models import build_model
 from hf_fedshard.transports.mesh import destroy_gloo_groups_at_exit
@@ -249,9 +249,10 @@ class EvalParamsRecorder:
         self.evaluate()
 
 
-class SyncRecorder(TrainerCallback):
-    """Wraps the averager's averagings and its exchange: full parameters around each blocking averaging (and
-    the fragments it covered), at each overlapped start and around each apply; local Δ and mean Δ.
+class SyncRecorder(TrainerCallback, AveragingObserver):
+    """Watches the averagings through the averager's public hook (`AveragingObserver`): full parameters around each
+    blocking averaging (and the fragments it covered), at each overlapped start and around each apply; local Δ and
+    mean Δ of each exchange.
 
     Runs after FedAvgCallback, so ``on_train_begin`` sees the averager and the first anchor (the averaged initial
     weights).
@@ -266,6 +267,8 @@ class SyncRecorder(TrainerCallback):
         self.exchanges: dict[int, tuple[list, list]] = {}
         self.start: dict[str, torch.Tensor] = {}
         self.fragment_names: list[list[str]] = []
+        self._before: dict[str, torch.Tensor] = {}
+        self._started_at = 0
 
     def full_params(self) -> dict[str, torch.Tensor]:
         return {n: full_tensor(p) for n, p in self.trainer.model.named_parameters()}
@@ -275,35 +278,28 @@ class SyncRecorder(TrainerCallback):
         averager = self.trainer.fed_callback.averager
         names = [n for n, p in self.trainer.model.named_parameters() if p.requires_grad]
         self.fragment_names = [names[f.start : f.stop] for f in averager.fragments]
-        self._average, self._start, self._apply = averager._average, averager._start, averager._apply
-        self._mean = averager.exchange.mean
-        averager._average, averager._start, averager._apply = self.average, self.start_exchange, self.apply
-        averager.exchange.mean = self.mean
+        averager.add_observer(self)
 
-    def average(self, indices) -> None:
-        step = self.trainer.fed_callback.averager.step_count
-        before = self.full_params()
-        self._average(indices)
-        self.params[step] = (before, self.full_params())
-        self.fragments[step] = list(indices)
+    def averaging(self, step, fragments) -> None:
+        self._before = self.full_params()
 
-    def start_exchange(self, fragment) -> None:
-        step = self.trainer.fed_callback.averager.step_count
-        self.starts[step] = (fragment.index, self.full_params())
-        self._start(fragment)
+    def averaged(self, step, fragments) -> None:
+        self.params[step] = (self._before, self.full_params())
+        self.fragments[step] = list(fragments)
 
-    def apply(self, fragment) -> None:
-        step = self.trainer.fed_callback.averager.step_count
-        flight = fragment.in_flight
-        before = self.full_params()
-        self._apply(fragment)
-        self.applies[step] = (flight.fragment, flight.start_step, before, self.full_params())
+    def exchange_started(self, step, fragment) -> None:
+        self.starts[step] = (fragment, self.full_params())
 
-    def mean(self, tensors, contributors, addresses=None):
-        means, sent = self._mean(tensors, contributors, addresses)
-        step = self.trainer.state.global_step
-        self.exchanges[step] = ([t.clone() for t in tensors], [m.clone() for m in means])
-        return means, sent
+    def applying(self, step, fragment, started_at) -> None:
+        self._before, self._started_at = self.full_params(), started_at
+
+    def applied(self, step, fragment) -> None:
+        self.applies[step] = (fragment, self._started_at, self._before, self.full_params())
+
+    def exchanged(self, step, fragment, deltas, means) -> None:
+        sent, got = self.exchanges.setdefault(step, ([], []))
+        sent += [t.clone() for t in deltas]
+        got += [m.clone() for m in means]
 
 
 class ResumeRecorder(TrainerCallback):

@@ -30,7 +30,7 @@ from hf_fedshard.engine import FederationCommunicator
 from hf_fedshard.engine.pieces import GroupShape
 
 from ..fake_communicator import BARRIER_TIMEOUT_S, FakeCommunicator, run_federation, run_ranks
-from .test_engine import build, poison, train_step
+from ..tiny_federation import build, poison, train_step
 
 OPTIONS = [pytest.param({}, id="blocking"), pytest.param({"sync_overlap": 1}, id="overlap")]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -26,7 +25,7 @@ from hf_fedshard.checkpointing.checkpoint import (
     write_layout_record,
 )
 from hf_fedshard.checkpointing.manifest import MANIFEST_NAME, checksum_problem, describe_files, list_files, size_problem
-from hf_fedshard.checkpointing.resume import resumable_checkpoint
+from hf_fedshard.checkpointing.resume import ResumeSettings, resumable_checkpoint
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.card import divergence_steps
 
@@ -151,11 +150,9 @@ def test_the_resume_refuses_another_format_on_each_rank_before_any_collective(tm
     if manifest:
         files = describe_files(checkpoint, list_files(checkpoint))
         (tmp_path / MANIFEST_NAME).write_text(json.dumps({"files": files}))
-    args = SimpleNamespace(
-        fed_auto_resume=False, output_dir=str(tmp_path.parent), fed_launch_per_group=False, process_index=0
-    )
+    run = ResumeSettings(str(tmp_path.parent), auto_resume=False, launch_per_group=False, rank=0, writes=True)
     with pytest.raises(ConfigError, match=r"records no checkpoint format in fed_layout\.json, but this release"):
-        resumable_checkpoint(checkpoint, args, FL_FSDP_4, llama())
+        resumable_checkpoint(checkpoint, run, FL_FSDP_4, llama())
 
 
 def test_another_layout_still_needs_the_same_model_and_a_federation(tmp_path):

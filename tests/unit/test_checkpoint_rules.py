@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -46,7 +45,7 @@ from hf_fedshard.errors import ConfigError
 from hf_fedshard.topology import FederationLayout
 
 from ..fake_communicator import run_ranks
-from .test_engine import Tiny
+from ..tiny_federation import Tiny
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in one process
 
@@ -147,12 +146,10 @@ def every_rank_resumes(checkpoint: str, layout: FederationLayout, monkeypatch) -
 
     def rank_fn(comm):
         ranks.comm = comm
-        args = SimpleNamespace(
-            output_dir=os.path.dirname(checkpoint), fed_auto_resume=False, fed_launch_per_group=False,
-            process_index=comm.rank(), should_save=comm.rank() == 0,
-        )  # fmt: skip
+        run = resume.ResumeSettings(os.path.dirname(checkpoint), auto_resume=False, launch_per_group=False,
+                                    rank=comm.rank(), writes=comm.rank() == 0)  # fmt: skip
         try:
-            assert resumable_checkpoint(checkpoint, args, layout, model) == checkpoint
+            assert resumable_checkpoint(checkpoint, run, layout, model) == checkpoint
         except ConfigError as err:
             return str(err)
         return None

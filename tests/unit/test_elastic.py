@@ -23,7 +23,7 @@ from hf_fedshard.integrations.card import quorum_rows
 from hf_fedshard.integrations.elastic import trainer_state_now
 
 from ..fake_communicator import BARRIER_TIMEOUT_S, run_federation
-from .test_engine import GROUPS, assert_groups_equal_reference, build, reference_for, train_step
+from ..tiny_federation import GROUPS, assert_groups_equal_reference, build, reference_for, train_step
 
 ELASTIC = ["--fed_transport", "torchft", "--fed_lighthouse", "http://localhost:1"]
 

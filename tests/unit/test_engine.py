@@ -16,207 +16,23 @@ import pytest
 import torch
 from torch import nn
 
-from hf_fedshard import FederatedAverager
+from hf_fedshard import AveragingObserver, FederatedAverager
 from hf_fedshard.engine import FederationCommunicator
-from hf_fedshard.engine.fragments import Schedule
-from hf_fedshard.engine.pieces import GroupShape, PieceExchange
+from hf_fedshard.engine.pieces import GroupShape
 from hf_fedshard.errors import ConfigError
 
 from ..asserts import labelled
 from ..fake_communicator import BARRIER_TIMEOUT_S, FakeCommunicator, run_federation, run_ranks
-
-GROUPS = 3
-RANGES = {1: [(0, 4)], 2: [(0, 2), (2, 4)], 4: [(0, 1), (1, 2), (2, 3), (3, 4)]}  # by bytes: 48, 16, 32, 8
-
-
-class Tiny(nn.Module):
-    """Four parameters (four units without FSDP) and one floating buffer, which "training" moves too."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        self.first, self.second = nn.Linear(3, 4), nn.Linear(4, 2)
-        self.register_buffer("stat", torch.full((2,), float(seed)))
-        generator = torch.Generator().manual_seed(seed)  # not the global RNG: the groups are threads
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
-
-
-def build(group: int) -> tuple[Tiny, torch.optim.Optimizer]:
-    model = Tiny(seed=group)  # the groups start apart: step 0's plain mean makes them one
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-
-
-@torch.no_grad()
-def train_step(model: Tiny, optimizer: torch.optim.Optimizer, group: int, step: int) -> None:
-    for i, p in enumerate(model.parameters()):
-        p.grad = torch.full_like(p, 0.01 * (group + 1) * (1 + (step + i) % 3)) + 0.05 * p
-    optimizer.step()
-    optimizer.zero_grad()
-    model.stat.add_(0.1 * (group + 1))
-
-
-def poison(model: Tiny) -> None:
-    with torch.no_grad():
-        model.first.weight.view(-1)[0] = math.nan
-
-
-def engine_run(
-    steps: int, nan_at: tuple[int, int] | None = None, finish_apart: bool = False, pieces: bool = False, **options
-) -> list:
-    """Every group's parameters and buffer after ``steps`` steps and the end, its averager, its optimizer."""
-    options = {"sync_steps": 4, **options}
-
-    def rank_fn(comm):
-        group = comm.group
-        model, optimizer = build(group)
-        averager = FederatedAverager(model, optimizer, communicator=comm, **options)
-        for step in range(1, steps + 1):
-            train_step(model, optimizer, group, step)
-            if nan_at == (group, step):
-                poison(model)
-            averager.step(last=step == steps and not finish_apart)
-        if finish_apart:
-            averager.finish()
-        return [t.detach().clone() for t in (*model.parameters(), model.stat)], averager, optimizer, comm
-
-    return run_federation(GROUPS, rank_fn, pieces=pieces)
-
-
-class Reference:
-    """The averaging rule on full tensors, group by group, written from the docs (not from the engine)."""
-
-    def __init__(self, sync_steps=4, fragments=1, overlap=0, lr=1.0, momentum=0.0) -> None:
-        self.schedule = Schedule(sync_steps, fragments, overlap)
-        self.ranges, self.lr, self.momentum = RANGES[fragments], lr, momentum
-        self.models, self.optimizers = zip(*(build(g) for g in range(GROUPS)), strict=True)
-        self.averaged_at = [0] * fragments
-        self.flight: tuple | None = None  # (fragment, apply step, snapshots, means, diverged)
-        self.delta_norm = self.drift = 0.0
-        with torch.no_grad():
-            for tensors in zip(*(self.state(g) for g in range(GROUPS)), strict=True):
-                mean = sum(t.float() for t in tensors) / GROUPS
-                for t in tensors:
-                    t.copy_(mean)
-        self.anchor = [p.detach().float().clone() for p in self.params(0)]
-        self.buffer: list[torch.Tensor | None] = [None] * 4
-
-    def params(self, g: int) -> list[torch.Tensor]:
-        return list(self.models[g].parameters())
-
-    def state(self, g: int) -> list[torch.Tensor]:
-        return [*self.params(g), self.models[g].stat]
-
-    def run(self, steps: int, nan_at: tuple[int, int] | None = None) -> list[list[torch.Tensor]]:
-        for step in range(1, steps + 1):
-            for g in range(GROUPS):
-                train_step(self.models[g], self.optimizers[g], g, step)
-                if nan_at == (g, step):
-                    poison(self.models[g])
-            if self.flight is not None and self.flight[1] == step:
-                self.apply()
-            fragment = self.schedule.starting(step)
-            if step == steps:
-                if self.flight is not None:
-                    self.apply()
-                self.average([f for f in range(len(self.ranges)) if self.averaged_at[f] < step], step)
-            elif fragment is not None and self.schedule.overlap == 0:
-                self.average([fragment], step)
-            elif fragment is not None:
-                self.start(fragment, step)
-        return [[t.detach().clone() for t in self.state(g)] for g in range(GROUPS)]
-
-    def diverged(self) -> list[int]:
-        return [g for g in range(GROUPS) if not all(torch.isfinite(t).all() for t in self.state(g))]
-
-    @torch.no_grad()
-    def deltas(self, g: int, i: int, local: torch.Tensor, diverged: list[int]) -> torch.Tensor:
-        return torch.zeros_like(self.anchor[i]) if g in diverged else self.anchor[i] - local.float()
-
-    @torch.no_grad()
-    def outer_step(self, i: int, mean: torch.Tensor) -> None:
-        """torch.optim.SGD's single-tensor step (Nesterov when momentum > 0) on the anchor, gradient mean Δ."""
-        grad = mean
-        if self.momentum:
-            if self.buffer[i] is None:
-                self.buffer[i] = grad.clone()
-            else:
-                self.buffer[i].mul_(self.momentum).add_(grad)
-            grad = grad.add(self.buffer[i], alpha=self.momentum)
-        self.anchor[i].add_(grad, alpha=-self.lr)
-
-    @torch.no_grad()
-    def average(self, fragments: list[int], step: int) -> None:
-        if not fragments:
-            return
-        diverged = self.diverged()
-        contributors = GROUPS - len(diverged)
-        squares = [0.0] * (GROUPS + 1)
-        for f in fragments:
-            for i in range(*self.ranges[f]):
-                deltas = [self.deltas(g, i, self.params(g)[i], diverged) for g in range(GROUPS)]
-                mean = (deltas[0] + deltas[1] + deltas[2]) / contributors
-                self.note_norms(squares, deltas, mean, diverged)
-                self.outer_step(i, mean)
-                for g in range(GROUPS):
-                    self.params(g)[i].copy_(self.anchor[i])
-            self.averaged_at[f] = step
-        if len(self.ranges) - 1 in fragments:
-            stats = [torch.zeros(2) if g in diverged else self.models[g].stat for g in range(GROUPS)]
-            mean = (stats[0] + stats[1] + stats[2]) / contributors
-            for g in range(GROUPS):
-                self.models[g].stat.copy_(mean)
-        self.publish(squares, contributors)
-        self.restart(diverged, keep=fragments)
-
-    @torch.no_grad()
-    def start(self, fragment: int, step: int) -> None:
-        diverged = self.diverged()
-        contributors = GROUPS - len(diverged)
-        snapshots = [[self.params(g)[i].float().clone() for i in range(*self.ranges[fragment])] for g in range(GROUPS)]
-        means = []
-        for k, i in enumerate(range(*self.ranges[fragment])):
-            deltas = [self.deltas(g, i, snapshots[g][k], diverged) for g in range(GROUPS)]
-            means.append((deltas[0] + deltas[1] + deltas[2]) / contributors)
-        if fragment == len(self.ranges) - 1:
-            stats = [torch.zeros(2) if g in diverged else self.models[g].stat for g in range(GROUPS)]
-            mean = (stats[0] + stats[1] + stats[2]) / contributors
-            for g in range(GROUPS):
-                self.models[g].stat.copy_(mean)
-        self.flight = (fragment, step + self.schedule.overlap, snapshots, means, diverged)
-
-    @torch.no_grad()
-    def apply(self) -> None:
-        fragment, _, snapshots, means, diverged = self.flight
-        self.flight = None
-        for k, i in enumerate(range(*self.ranges[fragment])):
-            self.outer_step(i, means[k])
-            for g in range(GROUPS):
-                local = self.params(g)[i]
-                kept = self.anchor[i] if g in diverged else self.anchor[i] + (local.float() - snapshots[g][k])
-                local.copy_(kept)
-        self.restart(diverged, keep=[fragment])
-
-    @torch.no_grad()
-    def restart(self, diverged: list[int], keep: list[int]) -> None:
-        for g in diverged:
-            for f, (a, b) in enumerate(self.ranges):
-                if f not in keep:
-                    for i in range(a, b):
-                        self.params(g)[i].copy_(self.anchor[i])
-            for state in self.optimizers[g].state.values():
-                state["momentum_buffer"].zero_()
-
-    def note_norms(self, squares, deltas, mean, diverged) -> None:
-        for g in range(GROUPS):
-            if g not in diverged:
-                squares[g] += (deltas[g] - mean).double().square().sum().item()
-        squares[-1] += GROUPS * mean.double().square().sum().item()
-
-    def publish(self, squares, contributors) -> None:
-        self.delta_norm = math.sqrt(squares[-1] / GROUPS)
-        self.drift = sum(math.sqrt(s) for s in squares[:-1]) / contributors / self.delta_norm
-
+from ..tiny_federation import (
+    GROUPS,
+    assert_exchanged_by,
+    assert_groups_equal_reference,
+    build,
+    engine_run,
+    poison,
+    reference_for,
+    train_step,
+)
 
 MATRIX = [
     pytest.param({}, id="fedavg-blocking"),
@@ -226,27 +42,6 @@ MATRIX = [
     pytest.param({"sync_fragments": 4, "sync_overlap": 0, "sync_steps": 8}, id="fedavg-4-fragments"),
     pytest.param({"outer_optimizer": "nesterov", "sync_overlap": 2}, id="nesterov-overlap-2"),
 ]
-
-
-def reference_for(options: dict) -> Reference:
-    lr, momentum = (0.7, 0.9) if options.get("outer_optimizer") == "nesterov" else (1.0, 0.0)
-    return Reference(
-        options.get("sync_steps", 4), options.get("sync_fragments", 1), options.get("sync_overlap", 0), lr, momentum
-    )
-
-
-def assert_exchanged_by(results: list, pieces: bool) -> None:
-    """Every group's Δ went through `PieceExchange` (``pieces``: groups described as groups of unequal size are) or
-    through the equal groups' `Exchange`, and the exchange communicator carried it."""
-    for g, (_, averager, _, comm) in enumerate(results):
-        assert isinstance(averager.exchange, PieceExchange) == pieces, f"group {g}: {type(averager.exchange).__name__}"
-        assert comm.exchange.calls > 0, f"group {g}: no exchange collective"
-
-
-def assert_groups_equal_reference(results: list, expected: list[list[torch.Tensor]]) -> None:
-    for g, (state, *_) in enumerate(results):
-        for i, (got, want) in enumerate(zip(state, expected[g], strict=True)):
-            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=labelled(f"group {g}, tensor {i}"))
 
 
 @pytest.mark.parametrize("options", MATRIX)
@@ -453,3 +248,74 @@ def test_groups_of_unequal_size_average_by_their_samples():
             torch.testing.assert_close(got, a - mean, rtol=0, atol=0, msg=labelled(f"group {group}, parameter {i}"))
         norm = sum(m.double().square().sum() for m in means) ** 0.5
         assert averager.counters.delta_norm == pytest.approx(float(norm), rel=1e-6)
+
+
+class Events(AveragingObserver):
+    """Each call of the public hook, with the parameters' values where the hook exposes a moment."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.calls, self.moments = model, [], {}
+
+    def averaging(self, step, fragments):
+        self.calls.append(("averaging", step, list(fragments)))
+        self.moments[("before", step)] = [p.detach().clone() for p in self.model.parameters()]
+
+    def averaged(self, step, fragments):
+        self.calls.append(("averaged", step, list(fragments)))
+        self.moments[("after", step)] = [p.detach().clone() for p in self.model.parameters()]
+
+    def exchange_started(self, step, fragment):
+        self.calls.append(("exchange_started", step, fragment))
+
+    def applying(self, step, fragment, started_at):
+        self.calls.append(("applying", step, fragment, started_at))
+
+    def applied(self, step, fragment):
+        self.calls.append(("applied", step, fragment))
+
+    def exchanged(self, step, fragment, deltas, means):
+        self.calls.append(("exchanged", step, fragment))
+        self.moments[("exchanged", step, fragment)] = ([d.clone() for d in deltas], [m.clone() for m in means])
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_the_observer_sees_each_averaging_in_order_with_what_was_sent_and_agreed(overlap):
+    """`AveragingObserver`, the public hook the tests' recorders use: H=4, 2 fragments, 9 steps; each exchange's
+    means are the mean over the groups of what each sent, and a blocking averaging's "before" and "after" differ."""
+
+    def rank_fn(comm):
+        model, optimizer = build(comm.group)
+        averager = FederatedAverager(model, optimizer, communicator=comm, sync_steps=4, sync_fragments=2,
+                                     sync_overlap=overlap)  # fmt: skip
+        events = Events(model)
+        averager.add_observer(events)
+        for step in range(1, 10):
+            train_step(model, optimizer, comm.group, step)
+            averager.step(last=step == 9)
+        return events
+
+    events = run_federation(GROUPS, rank_fn)
+    if overlap:  # fragment 0 starts at 2 and 6, fragment 1 at 4 and 8, each applied a step later; the end averages
+        # both (an applied fragment kept the progress made while in flight)
+        expected = [
+            ("exchange_started", 2, 0), ("applying", 3, 0, 2), ("exchanged", 3, 0), ("applied", 3, 0),
+            ("exchange_started", 4, 1), ("applying", 5, 1, 4), ("exchanged", 5, 1), ("applied", 5, 1),
+            ("exchange_started", 6, 0), ("applying", 7, 0, 6), ("exchanged", 7, 0), ("applied", 7, 0),
+            ("exchange_started", 8, 1), ("applying", 9, 1, 8), ("exchanged", 9, 1), ("applied", 9, 1),
+            ("averaging", 9, [0, 1]), ("exchanged", 9, 0), ("exchanged", 9, 1), ("averaged", 9, [0, 1]),
+        ]  # fmt: skip
+    else:  # fragment 0 at step 2 and 6, fragment 1 at 4 and 8, both at the end
+        expected = []
+        for step, fragments in ((2, [0]), (4, [1]), (6, [0]), (8, [1]), (9, [0, 1])):
+            exchanged = [("exchanged", step, f) for f in fragments]
+            expected += [("averaging", step, fragments), *exchanged, ("averaged", step, fragments)]
+    for g, got in enumerate(events):
+        assert got.calls == expected, f"group {g}: {got.calls}"
+    for key in [k for k in events[0].moments if k[0] == "exchanged"]:
+        sent = [e.moments[key][0] for e in events]
+        for g in range(GROUPS):
+            for i, mean in enumerate(events[g].moments[key][1]):
+                want = sum((s[i] for s in sent), torch.zeros_like(sent[0][i])) / GROUPS
+                torch.testing.assert_close(mean, want, rtol=0, atol=1e-7, msg=labelled(f"{key} group {g} tensor {i}"))
+    if not overlap:
+        assert not torch.equal(events[0].moments[("before", 2)][0], events[0].moments[("after", 2)][0])

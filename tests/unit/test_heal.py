@@ -20,7 +20,7 @@ from hf_fedshard.topology import FederationLayout
 from hf_fedshard.transports.quorum_world import UnequalQuorum
 
 from ..fake_communicator import BARRIER_TIMEOUT_S, run_federation, run_ranks
-from .test_engine import build, train_step
+from ..tiny_federation import build, train_step
 
 SHAPES = [(5, 3), (4,), (6, 2)]  # two parameters (odd rows: shards of 2 differ in size), then a buffer
 ADDRESSES = [Address(15, 5, True), Address(4, 4, True), Address(12, 6, False)]

@@ -64,6 +64,14 @@ def test_no_training_path_imports_the_tooling(folder):
         assert not {n for n in imported_modules(path) if n.startswith("hf_fedshard.tools")}, path
 
 
+@pytest.mark.parametrize("folder", ["engine", "transports", "checkpointing"])
+def test_no_layer_below_the_trainer_imports_it(folder):
+    """The checkpoints, the transports and the engine take what they need of the Trainer's arguments as their own small
+    types (e.g. `hf_fedshard.checkpointing.resume.ResumeSettings`): no import climbs back up to the integrations."""
+    for path in modules_of(folder):
+        assert not {n for n in imported_modules(path) if n.startswith("hf_fedshard.integrations")}, path
+
+
 def test_importing_the_engine_loads_no_transformers():
     code = (
         "import sys; from hf_fedshard import FederatedAverager, FederationLayout; import hf_fedshard.engine; "

@@ -22,7 +22,7 @@ from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat
 from hf_fedshard.integrations.trainer import FedShardTrainer
 
 from ..fake_communicator import run_federation
-from .test_engine import build, train_step
+from ..tiny_federation import build, train_step
 
 SAVED = {"samples_per_step": 8, "steps_per_epoch": 8, "num_groups": 2}  # a record of an earlier layout
 

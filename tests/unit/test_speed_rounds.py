@@ -17,8 +17,8 @@ from hf_fedshard.engine.speed import RoundPlan, RoundReport, RoundSpeeds, next_r
 from hf_fedshard.errors import ConfigError
 
 from ..fake_communicator import run_federation
+from ..tiny_federation import GROUPS, Reference, build, poison, train_step
 from .test_arguments import parse
-from .test_engine import GROUPS, Reference, build, poison, train_step
 
 COST = (1.0, 2.0, 4.0)  # seconds per trained step of each group: H_g = 4, 2, 1 once measured
 
