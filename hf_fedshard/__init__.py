@@ -6,8 +6,8 @@ The package's folders are its layers:
 - ``engine/``: `FederatedAverager`, the averaging itself (schedule, fragments, outer optimizer, exchange, codec,
   divergence); it imports torch only, so a plain training loop can use it.
 - ``topology.py``: how the world splits into federation groups (`FederationLayout`) and its device mesh.
-- ``transports/``: how the groups reach each other, one module each, registered by ``fed_transport``
-  (`hf_fedshard.transports.TRANSPORTS`): ``mesh`` (one job), ``torchft`` (a launch per group), ``simulated``.
+- ``transports/``: how the groups reach each other, one module each, registered by ``fed_transport`` with
+  `hf_fedshard.transports.register_transport`: ``mesh`` (one job), ``torchft`` (a launch per group), or your own.
 - ``averaging.py``: the public `FederatedAverager`, the engine's over the one-job transport when given a mesh.
 - ``integrations/``: the Trainer and TRL side (`FedShardTrainer`, the callback, arguments, model card).
 - ``checkpointing/``: federated checkpoints, their manifest and the resume that verifies them.

@@ -65,7 +65,7 @@ class FedShardSFTTrainer(SFTTrainer, FedShardMixin):
         # Combine the groups' metrics once per log (SFTTrainer.log averages them next). An evaluation gathers over
         # the world already, except its num_tokens: the group's count of train tokens, like training's. With torchft
         # the groups meet only in averagings: each group logs its own.
-        if self.fed_callback is not None and not self.args.fed_launch_per_group:
+        if self.fed_callback is not None and self.args.fed_launch_layout.federated:
             metrics = self._metrics["train" if self.model.training else "eval"]
             keys = sorted(metrics) if self.model.training else [k for k in _SUMMED_METRICS if k in metrics]
             self._combine_group_metrics(metrics, keys)

@@ -31,6 +31,14 @@ def fl_fsdp_h2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def one_job_h4(tmp_path_factory) -> list[dict]:
+    """One job of 2 groups × 2 ranks (the mesh), H = 4, 10 steps, 128 samples: the reference of the runs of a launch
+    per group with those settings (torchft's, the transport registered from outside the package)."""
+    args = ["--num_samples", "128", "--max_steps", "10", "--fed_sync_steps", "4", "--fed_group_size", "2"]
+    return train_tiny(4, tmp_path_factory.mktemp("mesh_h4"), args)
+
+
+@pytest.fixture(scope="session")
 def ddp_4_ranks(tmp_path_factory):
     """DDP (transformers.Trainer on CPU, no federation) over 4 ranks, 3 steps: the reference of the H=1 runs."""
     return train_tiny(

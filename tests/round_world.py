@@ -153,7 +153,7 @@ class World:
         federation.join(0 if checkpoint is None else checkpoint["averager"]["counters"]["syncs"])
         held = heal.take()
         model, optimizer = build(group)
-        comm = federation.communicator()
+        comm = federation.communicator
         if held:  # healed before training: resume from the peer's committed state
             position["step"] = held["trainer"]["step"]
             averager = FederatedAverager(

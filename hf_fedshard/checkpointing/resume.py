@@ -51,7 +51,7 @@ class ResumeSettings:
 
     output_dir: str  # where the run's checkpoints are
     auto_resume: bool  # fed_auto_resume: without an explicit checkpoint, resume from the newest that verifies
-    launch_per_group: bool  # every group its own launch (torchft): only the steps every group has are candidates
+    groups_publish_apart: bool  # a launch per group (torchft): only the steps every group has are candidates
     rank: int  # this rank, in its launch
     writes: bool  # this rank renames damaged checkpoints aside (one per launch)
 
@@ -69,8 +69,8 @@ def resumable_checkpoint(
         return None
     explicit = isinstance(requested, str)
     candidates = [requested] if explicit else complete_checkpoints(run.output_dir)
-    common = steps_every_group_has(run.output_dir) if run.launch_per_group and not explicit else None
-    if common is not None:  # torchft: a restart of every group resumes from the newest step they all have
+    common = steps_every_group_has(run.output_dir) if run.groups_publish_apart and not explicit else None
+    if common is not None:  # a launch per group: a restart of every group resumes from the newest step they all have
         candidates = [c for c in candidates if int(c.rsplit("-", 1)[-1]) in common]
     if not candidates:
         return requested

@@ -11,6 +11,7 @@ first among the bases so that its `__post_init__` adjusts the settings before th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -30,7 +31,7 @@ from hf_fedshard.integrations.timeouts import start_world_process_group
 from hf_fedshard.launch_guard import check_restart_store, setup_deadline, watch_launcher
 from hf_fedshard.notices import notice as _notice
 from hf_fedshard.topology import FederationLayout, parse_group_size
-from hf_fedshard.transports import TRAINER_TRANSPORTS, TRANSPORTS
+from hf_fedshard.transports import TRANSPORTS, GroupLaunch, OneJob, get_transport, settings_owners
 
 
 def averaging_setting(name: str) -> Any:
@@ -87,6 +88,9 @@ class FedShardArgumentsMixin:
         fed_group_id (`int`, *optional*): torchft: this launch's group, in `0 … fed_num_groups - 1`.
         fed_num_groups (`int`, *optional*): torchft: the nominal number of groups; group G reads slice G of N
             of every epoch (what its ranks would read with `mesh`).
+        fed_transport_options (`dict` or JSON `str`, *optional*): the transport's own settings by name, for a
+            transport registered with `hf_fedshard.transports.register_transport` (the three above are torchft's,
+            and may be given here too).
         With torchft every group writes into `output_dir/fed_group{G}` (checkpoints, logs, the exported model),
         evaluations must fall on averaging steps, and fragments, overlap, `fed_eval_per_group` and
         `load_best_model_at_end` are refused (each needs the groups outside an averaging).
@@ -148,28 +152,37 @@ class FedShardArgumentsMixin:
     fed_transport: str = field(
         default="mesh",
         metadata={
-            "help": " ".join(f"{name}: {TRANSPORTS[name].summary}" for name in TRAINER_TRANSPORTS),
-            "choices": list(TRAINER_TRANSPORTS),
+            "help": " ".join(f"{name}: {t.summary}" for name, t in TRANSPORTS.items())
+            + " (or one registered with hf_fedshard.transports.register_transport)."
         },
     )
     fed_lighthouse: str | None = field(
         default=None, metadata={"help": "torchft: the Lighthouse's address, http://HOST:PORT."}
     )
     fed_group_id: int | None = field(
-        default=None, metadata={"help": "torchft: this launch's federation group, 0 … fed_num_groups - 1."}
+        default=None,
+        metadata={"help": "torchft: this launch's federation group, 0 … fed_num_groups - 1."},
     )
     fed_num_groups: int | None = field(
         default=None,
-        metadata={"help": "torchft: the nominal number of groups (group G reads slice G of N of every epoch)."},
+        metadata={
+            "help": "torchft: the nominal number of groups (group G reads slice G of N of every epoch).",
+        },
+    )
+    fed_transport_options: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": 'The transport\'s own settings as a JSON object, e.g. \'{"store": "host:29600"}\' (for a transport '
+            "registered with hf_fedshard.transports.register_transport; its settings dataclass names them)."
+        },
     )
 
     def __post_init__(self) -> None:
         # Adjust FSDP, use_cpu and token averaging before TrainingArguments reads them.
         self.fed_group_size = parse_group_size(self.fed_group_size)
-        self._check_transport()
-        # every group writes its own checkpoints, logs and exports: no barrier across groups
-        if self.fed_launch_per_group:
-            self.output_dir = os.path.join(self.output_dir or "trainer_output", f"fed_group{self.fed_group_id}")
+        launch = self.fed_launch  # the transport's settings, checked
+        launch.check(self.fed_transport, self.fed_group_size, int(os.environ.get("WORLD_SIZE", "1")))
+        self.output_dir = launch.output_dir(self.output_dir)  # a launch per group: each writes its own folder
         options = self.fed_averaging_options  # checks the averaging settings, one line each
         layout = self.fed_layout  # validates the sizes against WORLD_SIZE before any process group exists
         if layout.federated and 0 < self.max_steps < options.sync_steps:
@@ -201,8 +214,7 @@ class FedShardArgumentsMixin:
         if layout.federated:
             self.average_tokens_across_devices = False
         super().__post_init__()
-        if self.fed_launch_per_group:
-            self._check_elastic_schedule()
+        launch.check_training(self)
         if self.fed_eval_per_group and not self.fed_evaluates_groups:
             _notice(
                 "fed_eval_per_group has no effect %s",
@@ -244,13 +256,28 @@ class FedShardArgumentsMixin:
     @property
     def fed_requested(self) -> bool:
         """True when any federation setting is given (even one group of HSDP through `fed_shard_size`)."""
-        return self.fed_group_size is not None or self.fed_shard_size is not None or self.fed_launch_per_group
+        return self.fed_group_size is not None or self.fed_shard_size is not None or self.fed_launch.federated
 
-    @property
-    def fed_launch_per_group(self) -> bool:
-        """True where each group is a launch of its own (``fed_transport torchft``): this launch is one group of a
-        federation of launches."""
-        return TRANSPORTS[self.fed_transport].launch_per_group
+    @cached_property
+    def fed_launch(self) -> OneJob | GroupLaunch:
+        """The transport's settings (`hf_fedshard.transports`), from its ``fed_*`` flags and
+        ``fed_transport_options``: which groups this launch holds, what it reads and where it writes."""
+        transport = get_transport(self.fed_transport)
+        options = _transport_options(self.fed_transport_options)
+        flags = {name: getattr(self, f"fed_{name}") for name in _transport_flags() if hasattr(self, f"fed_{name}")}
+        names = {f.name for f in dataclasses.fields(transport.settings)}
+        foreign = [f"fed_{name}" for name, value in flags.items() if value is not None and name not in names]
+        if foreign:
+            owners = " or ".join(dict.fromkeys(o for name in foreign for o in settings_owners(name[len("fed_") :])))
+            raise ConfigError(
+                f"{', '.join(foreign)} belong to fed_transport {owners}, not {self.fed_transport}. Add "
+                f"--fed_transport {owners.split(' or ')[0]}, or drop them."
+            )
+        given = {name: value for name, value in flags.items() if name in names and value is not None}
+        twice = [f"fed_{name}" for name in given if name in options]
+        if twice:
+            raise ConfigError(f"{', '.join(twice)} given both as a flag and in fed_transport_options. Give each once.")
+        return transport.parse_settings({**given, **options}, frozenset(flags))
 
     @property
     def fed_evaluates_groups(self) -> bool:
@@ -259,109 +286,30 @@ class FedShardArgumentsMixin:
 
     @property
     def fed_layout(self) -> FederationLayout:
-        """The federation layout (needs only the `WORLD_SIZE` environment variable); with torchft, the nominal
-        one of ``fed_num_groups`` launches like this one."""
-        launch = self.fed_launch_layout
-        if not self.fed_launch_per_group:
-            return launch
-        if isinstance(self.fed_group_size, tuple):  # groups of unequal size: the list names every group's
-            return FederationLayout(sum(self.fed_group_size), self.fed_group_size, self.fed_shard_size)
-        return FederationLayout(launch.world_size * self.fed_num_groups, launch.group_size, launch.shard_size)
+        """The federation layout (needs only the `WORLD_SIZE` environment variable); with a launch per group, the
+        nominal one of every launch."""
+        return self.fed_launch.federation_layout(self.fed_launch_layout, self.fed_group_size, self.fed_shard_size)
 
     @property
     def fed_launch_layout(self) -> FederationLayout:
-        """This launch's ranks: the whole federation with ``mesh``, one group with torchft."""
-        if self.fed_launch_per_group and isinstance(self.fed_group_size, tuple):
-            return FederationLayout.from_env(self.fed_group_size[self.fed_group_id], self.fed_shard_size)
-        return FederationLayout.from_env(self.fed_group_size, self.fed_shard_size)
+        """This launch's ranks: the whole federation with ``mesh``, one group with a launch per group."""
+        return self.fed_launch.launch_layout(self.fed_group_size, self.fed_shard_size)
 
     def fed_group_index(self, process_index: int) -> int:
         """The federation group of the rank ``process_index`` of this launch."""
-        return self.fed_group_id if self.fed_launch_per_group else self.fed_layout.group_index(process_index)
+        return self.fed_launch.group_index(self.fed_layout, process_index)
 
     def _note_pace_setters(self, speed_aware: bool) -> None:
         """Under ``fed_round_policy speed`` in one job, Trainer's loss log (an all-gather over the world) is a barrier
         across groups: at every log the faster groups wait for the slowest, which the policy exists to avoid."""
         steps = self.logging_steps if self.logging_strategy == IntervalStrategy.STEPS else 0
-        if speed_aware and not self.fed_launch_per_group and steps and steps % self.fed_sync_steps:
+        if speed_aware and self.fed_launch_layout.federated and steps and steps % self.fed_sync_steps:
             _notice(
                 "fed_round_policy speed: logging_steps=%g is not a multiple of fed_sync_steps=%d, and Trainer's loss "
                 "log gathers over every group, so the faster groups wait for the slowest at each log. Set "
                 "--logging_steps to a multiple of %d.",
                 self.logging_steps, self.fed_sync_steps, self.fed_sync_steps,
             )  # fmt: skip
-
-    def _check_transport(self) -> None:
-        """The transport's own settings, before any process group (one line each)."""
-        if self.fed_transport not in TRAINER_TRANSPORTS:
-            raise ConfigError(
-                f"fed_transport={self.fed_transport!r} is unknown. Set --fed_transport to one of "
-                f"{', '.join(TRAINER_TRANSPORTS)}."
-            )
-        torchft_only = {"fed_lighthouse": self.fed_lighthouse, "fed_group_id": self.fed_group_id,
-                        "fed_num_groups": self.fed_num_groups}  # fmt: skip
-        if not self.fed_launch_per_group:
-            given = [name for name, value in torchft_only.items() if value is not None]
-            if given:
-                raise ConfigError(
-                    f"{', '.join(given)} belong to fed_transport torchft (every group its own launch). Add "
-                    "--fed_transport torchft, or drop them."
-                )
-            return
-        missing = [name for name, value in torchft_only.items() if value is None]
-        if missing:
-            raise ConfigError(
-                f"fed_transport torchft needs {', '.join(missing)}: e.g. --fed_lighthouse http://HOST:29510 "
-                "--fed_group_id 0 --fed_num_groups 4 (python -m hf_fedshard.lighthouse prints the address)."
-            )
-        if self.fed_num_groups < 1 or not 0 <= self.fed_group_id < self.fed_num_groups:
-            raise ConfigError(
-                f"fed_group_id={self.fed_group_id} must be in 0 … fed_num_groups - 1 (fed_num_groups="
-                f"{self.fed_num_groups}). Give each launch its own id below --fed_num_groups."
-            )
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if isinstance(self.fed_group_size, tuple):
-            self._check_elastic_sizes(self.fed_group_size, world)
-        elif self.fed_group_size not in (None, world):
-            raise ConfigError(
-                f"fed_group_size={self.fed_group_size} but this launch has WORLD_SIZE={world}: with fed_transport "
-                "torchft every launch is one group. Drop --fed_group_size (or launch that many ranks per group)."
-            )
-
-    def _check_elastic_sizes(self, sizes: tuple[int, ...], world: int) -> None:
-        """Groups of unequal size under torchft: the list names every group's size (each launch reads its data slice
-        and checks its peers by it), so it must have ``fed_num_groups`` entries and this launch must be its size."""
-        listed = ",".join(map(str, sizes))
-        if len(sizes) != self.fed_num_groups:
-            raise ConfigError(
-                f"fed_group_size={listed} names {len(sizes)} groups but fed_num_groups={self.fed_num_groups}: with "
-                "fed_transport torchft the list gives every group's size. Give one size per group."
-            )
-        if sizes[self.fed_group_id] != world:
-            raise ConfigError(
-                f"fed_group_size={listed} gives fed_group{self.fed_group_id} {sizes[self.fed_group_id]} ranks, but "
-                f"this launch has WORLD_SIZE={world}. Launch group {self.fed_group_id} on "
-                f"{sizes[self.fed_group_id]} ranks (or fix the list)."
-            )
-
-    def _check_elastic_schedule(self) -> None:
-        """With torchft the groups meet only in averagings: what would need them in between is refused."""
-        sync, steps = self.fed_sync_steps, self.eval_steps
-        if self.eval_strategy == IntervalStrategy.STEPS and steps and (steps < 1 or int(steps) % sync):
-            raise ConfigError(
-                f"eval_steps={steps} is not a multiple of fed_sync_steps={sync}: with fed_transport torchft the "
-                f"groups hold one global model only at averaging steps. Set --eval_steps to a multiple of {sync}."
-            )
-        if self.fed_schedule.streaming:
-            raise ConfigError(
-                "fed_sync_fragments/fed_sync_overlap stream the averaging between rounds, which fed_transport torchft "
-                "does not redo when a group leaves: set --fed_sync_fragments 1 --fed_sync_overlap 0."
-            )
-        if self.load_best_model_at_end or self.fed_eval_per_group:
-            raise ConfigError(
-                "load_best_model_at_end and fed_eval_per_group compare the groups outside an averaging, which "
-                "fed_transport torchft does not do. Turn them off."
-            )
 
     def check_train_dataset_size(self, num_samples: int) -> None:
         """Refuse a dataset smaller than the world's first step, which the sampler would pad with repeats.
@@ -434,3 +382,26 @@ class FedShardArgumentsMixin:
 @dataclass
 class FedShardTrainingArguments(FedShardArgumentsMixin, TrainingArguments):
     """`TrainingArguments` plus the federation settings of `FedShardArgumentsMixin` (see its fields)."""
+
+
+def _transport_flags() -> list[str]:
+    """The settings of the registered transports that the arguments have a ``fed_*`` flag for (torchft's), in the
+    order the transports declare them."""
+    names = [f.name for t in TRANSPORTS.values() for f in dataclasses.fields(t.settings)]
+    return [name for name in dict.fromkeys(names) if f"fed_{name}" in FedShardArgumentsMixin.__dataclass_fields__]
+
+
+def _transport_options(options: dict | str | None) -> dict[str, Any]:
+    """``fed_transport_options`` as a dict: a dict, or a JSON object (the command line's)."""
+    if options is None or isinstance(options, dict):
+        return dict(options or {})
+    try:
+        parsed = json.loads(options)
+    except json.JSONDecodeError as err:
+        raise ConfigError(
+            f"fed_transport_options={options!r} is not JSON ({err.msg}). Give a JSON object, e.g. "
+            '\'{"store": "host:29600"}\'.'
+        ) from err
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"fed_transport_options={options!r} is not a JSON object. Give one, e.g. '{{\"k\": 1}}'.")
+    return parsed

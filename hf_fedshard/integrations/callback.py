@@ -28,7 +28,7 @@ class FedAvgCallback(TrainerCallback):
     pseudo-gradients, blocking or streamed): ``averager`` exists from `on_train_begin` on.
 
     Args:
-        communicator: the cross-group collectives (`hf_fedshard.transports.mesh.mesh_communicator`).
+        communicator: the cross-group collectives (a transport's `Federation.communicator`, `hf_fedshard.transports`).
         options: the averaging settings (``args.fed_averaging_options``).
         before_eval: called on every rank right before an evaluation that sees the groups differ, while each group
             still holds its own model (per-group evaluation); may be replaced before training starts.

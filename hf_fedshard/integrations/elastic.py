@@ -46,7 +46,7 @@ def federation_fingerprint(trainer: FedShardMixin) -> str:
         },
         group=(layout.group_size, layout.shard_size),
         group_batch=args.per_device_train_batch_size * layout.group_sizes[0] * args.gradient_accumulation_steps,
-        num_groups=args.fed_num_groups,
+        num_groups=args.fed_layout.num_groups,
         seed=args.seed,
         max_steps=args.max_steps,
     )

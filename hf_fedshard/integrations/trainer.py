@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ from hf_fedshard.checkpointing.reshard import (
     mean_of_old_groups,
 )
 from hf_fedshard.checkpointing.resume import ResumeSettings, load_on_every_rank, resumable_checkpoint
-from hf_fedshard.engine import FederationCommunicator, ProcessGroupCommunicator
+from hf_fedshard.engine import FederationCommunicator
 from hf_fedshard.engine.payload import all_finite, load_model_state, model_state_tensors
 from hf_fedshard.engine.rounds import HealState
 from hf_fedshard.errors import ConfigError
@@ -76,16 +76,8 @@ from hf_fedshard.integrations.group_gather import gathers_within_group
 from hf_fedshard.integrations.timeouts import explain_stalled_collectives
 from hf_fedshard.notices import notice
 from hf_fedshard.topology import FederationLayout
-from hf_fedshard.transports import TRANSPORTS
-from hf_fedshard.transports.mesh import (
-    destroy_gloo_groups_at_exit,
-    group_process_group,
-    mesh_communicator,
-    replica_process_group,
-)
-
-if TYPE_CHECKING:
-    from hf_fedshard.transports.elastic import ElasticFederation
+from hf_fedshard.transports import Federation, FederationRequest, get_transport
+from hf_fedshard.transports.mesh import destroy_gloo_groups_at_exit, group_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +122,7 @@ class FedShardMixin(Trainer):
         self.fed_mesh: DeviceMesh | None = None
         self.fed_callback: FedAvgCallback | None = None
         self.fed_communicator: FederationCommunicator | None = None
-        self.fed_federation: ElasticFederation | None = None
+        self.fed_federation: Federation | None = None
         self._peer_state: dict | None = None  # a live peer's state this group healed from, until training takes it
         self._card_kwargs: dict[str, Any] = {}
         self._group_eval: tuple[int, dict[str, float]] | None = None  # (step, metrics) of the last group eval
@@ -151,20 +143,9 @@ class FedShardMixin(Trainer):
             )
         destroy_gloo_groups_at_exit()
         self.add_callback(TrainingClock())
-        if self.args.fed_launch_per_group:
-            self.fed_federation = self._join_federation_of_launches()
-            launch = self.args.fed_launch_layout  # this group's replicas (groups of unequal size may differ)
-            split = self.args.fed_split_exchange and launch.replicas > 1
-            self.fed_communicator = self.fed_federation.communicator(
-                ProcessGroupCommunicator(replica_process_group(self.fed_mesh)) if split else None,
-                launch.replicas, _timeout_setting(self.args),
-            )  # fmt: skip
-        elif self.fed_layout.federated:
-            self.fed_communicator = mesh_communicator(
-                self.fed_layout, self.fed_mesh, self.args.fed_exchange_timeout_s,
-                overlap=self.args.fed_sync_overlap > 0, split=self.args.fed_split_exchange,
-                timeout=_timeout_setting(self.args),
-            )  # fmt: skip
+        if self.fed_layout.federated or self.args.fed_launch.federated:
+            self.fed_federation = self._build_federation()
+            self.fed_communicator = self.fed_federation.communicator
         if self.fed_communicator is not None:
             before_eval = self._evaluate_each_group if self.args.fed_eval_per_group else None
             self.fed_callback = FedAvgCallback(self.fed_communicator, self.args.fed_averaging_options, before_eval)
@@ -223,9 +204,8 @@ class FedShardMixin(Trainer):
 
     def _get_dataloader(self, dataset: Any, description: str, *args: Any, **kwargs: Any):
         # Accelerate shards batches over the mesh's dp axes (one group); groups must read disjoint data.
-        first_rank = None  # torchft: this launch reads what its ranks read in one job of the nominal layout
-        if self.args.fed_launch_per_group and kwargs.get("is_training"):
-            first_rank = self.fed_layout.first_rank(self.args.fed_group_id)
+        # a launch per group reads what its ranks would read in one job of the nominal layout
+        first_rank = self.args.fed_launch.data_first_rank(self.fed_layout) if kwargs.get("is_training") else None
         with world_data_view(self.accelerator, first_rank, self.fed_layout.world_size):
             dataloader = super()._get_dataloader(dataset, description, *args, **kwargs)
         # An evaluation without a batch would log no eval_loss; its length is the same on every rank.
@@ -327,8 +307,9 @@ class FedShardMixin(Trainer):
         self._layout_change, self._resume_record, self._resumed_position = None, None, None
         layout = self.args.fed_launch_layout  # what a checkpoint holds: this job's groups (torchft: its one group)
         if self.fed_callback is not None:
-            run = ResumeSettings(self.args.output_dir, self.args.fed_auto_resume, self.args.fed_launch_per_group,
-                                 self.args.process_index, self.args.should_save)  # fmt: skip
+            run = ResumeSettings(self.args.output_dir, self.args.fed_auto_resume,
+                                 self.args.fed_launch.groups_publish_apart, self.args.process_index,
+                                 self.args.should_save)  # fmt: skip
             resume_from_checkpoint = resumable_checkpoint(resume_from_checkpoint, run, layout, self.model)
         elif auto:
             resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
@@ -342,7 +323,7 @@ class FedShardMixin(Trainer):
             if auto and self.args.should_log:
                 logger.warning("hf_fedshard: fed_auto_resume: resuming from %s", resume_from_checkpoint)
         if self.fed_federation is not None:
-            resume_from_checkpoint = self._join_quorum(resume_from_checkpoint)
+            resume_from_checkpoint = self._join_federation(resume_from_checkpoint)
         try:
             with explain_stalled_collectives(lambda: self.state.global_step, self.args.ddp_timeout):
                 output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
@@ -359,11 +340,11 @@ class FedShardMixin(Trainer):
         change = self._layout_change
         if change is None:
             return
-        if self.args.fed_launch_per_group:
+        if self.args.fed_launch.groups_publish_apart:
             raise ConfigError(
-                f"resume_from_checkpoint={checkpoint} was written on {change.old_layout()}, but fed_transport torchft "
-                "resumes a group's checkpoint only on its own group size. Relaunch the group on "
-                f"{change.saved['world_size']} ranks, or resume it with fed_transport mesh."
+                f"resume_from_checkpoint={checkpoint} was written on {change.old_layout()}, but fed_transport "
+                f"{self.args.fed_transport} resumes a group's checkpoint only on its own group size. Relaunch the "
+                f"group on {change.saved['world_size']} ranks, or resume it with fed_transport mesh."
             )
         if self.args.max_steps <= 0:
             raise ConfigError(
@@ -410,30 +391,32 @@ class FedShardMixin(Trainer):
             return position.epoch, 0
         return position.epoch, position.steps * self.args.gradient_accumulation_steps
 
-    # ---- fed_transport torchft: groups that join and leave ----
+    # ---- Joining the federation: its transport, and groups that join and leave ----
 
-    def _join_federation_of_launches(self) -> ElasticFederation:
-        """This launch's side of a federation of launches (``fed_transport torchft``, from `TRANSPORTS`); it reaches
-        the lighthouse when `train` joins the first quorum."""
+    def _build_federation(self) -> Federation:
+        """This launch's side of the federation, from its transport (`hf_fedshard.transports`); where groups come and
+        go, it meets the others when `train` joins the first quorum."""
         heal = HealState()
         register_heal_parts(self, heal)
-        federation = TRANSPORTS[self.args.fed_transport].load()
-        return federation(
-            lighthouse=self.args.fed_lighthouse, group_id=self.args.fed_group_id,
-            num_groups=self.args.fed_num_groups, group=torch.distributed.group.WORLD,
-            timeout_s=self.args.fed_exchange_timeout_s, fingerprint=federation_fingerprint(self), heal=heal,
-            layout=self.fed_layout, cut=lambda state: cut_state(self, state),
+        args = self.args
+        request = FederationRequest(
+            settings=args.fed_launch, layout=self.fed_layout, launch=args.fed_launch_layout,
+            group=torch.distributed.group.WORLD, mesh=self.fed_mesh, options=args.fed_averaging_options,
+            timeout_s=args.fed_exchange_timeout_s, timeout=_timeout_setting(args), heal=heal,
+            fingerprint=federation_fingerprint(self), cut=lambda state: cut_state(self, state),
         )  # fmt: skip
+        return get_transport(args.fed_transport).build(request)
 
-    def _join_quorum(self, checkpoint: str | None) -> str | None:
-        """Join the federation's quorum before training: a group behind the others resumes from a live peer's
-        committed state (a temporary folder holds its trainer_state.json), one level with them from ``checkpoint``
-        or afresh."""
-        syncs = (
-            0 if checkpoint is None else read_counters(checkpoint, self._group_index, self.args.process_index)["syncs"]
-        )
+    def _join_federation(self, checkpoint: str | None) -> str | None:
+        """Meet the other groups before training (`Federation.join`): where groups come and go, a group behind the
+        others resumes from a live peer's committed state (a temporary folder holds its trainer_state.json), one level
+        with them from ``checkpoint`` or afresh."""
+        syncs = 0
+        if checkpoint is not None and self._layout_change is None:  # the averagings this group's checkpoint holds
+            syncs = read_counters(checkpoint, self._group_index, self.args.process_index)["syncs"]
         self.fed_federation.join(int(syncs))
-        self._peer_state = self.fed_federation.heal.take() or None
+        membership = self.fed_communicator.membership
+        self._peer_state = (membership.heal.take() or None) if membership is not None else None
         if self._peer_state is None:
             return checkpoint
         folder = resume_folder(self._peer_state)
@@ -441,7 +424,7 @@ class FedShardMixin(Trainer):
             logger.warning(
                 "hf_fedshard: fed_group%d healed from a live group: resuming at step %d (its last averaging) with the "
                 "global model, its anchors and outer state; the inner optimizer starts afresh.",
-                self.args.fed_group_id, self._peer_state["trainer"]["global_step"],
+                self.args.fed_launch.group_id, self._peer_state["trainer"]["global_step"],
             )  # fmt: skip
         return folder
 
@@ -455,8 +438,8 @@ class FedShardMixin(Trainer):
                 "one before: they left, or one side reached it more than fed_timeout_s=%g s after the other. The "
                 "groups may end on different models. To wait longer at the end, raise --fed_timeout_s; to never end "
                 "apart, start the lighthouse with --min_groups %d (a group that dies then stops the others).",
-                self.args.fed_group_id, self.state.global_step, ", ".join(f"fed_group{g}" for g in dropped),
-                self.args.fed_exchange_timeout_s, self.args.fed_num_groups,
+                self.args.fed_launch.group_id, self.state.global_step, ", ".join(f"fed_group{g}" for g in dropped),
+                self.args.fed_exchange_timeout_s, self.fed_layout.num_groups,
             )  # fmt: skip
 
     def _check_peer_step(self, trainer_state: dict) -> None:
@@ -464,7 +447,7 @@ class FedShardMixin(Trainer):
         step (`hf_fedshard.engine.rounds` I4); its averager part then loads it."""
         if trainer_state["global_step"] != self.state.global_step:
             raise RuntimeError(
-                f"hf_fedshard: fed_group{self.args.fed_group_id} fell behind the federation by more than one "
+                f"hf_fedshard: fed_group{self.args.fed_launch.group_id} fell behind the federation by more than one "
                 f"averaging: at step {self.state.global_step} it was sent a peer's state of step "
                 f"{trainer_state['global_step']}. Restarting the group heals it at its first quorum (torchrun "
                 "--max-restarts does it)."
@@ -520,11 +503,11 @@ class FedShardMixin(Trainer):
 
     def _diverged_groups(self) -> list[int]:
         """The groups holding a NaN/Inf now; with torchft, where groups meet only in averagings, this group alone."""
-        if self.fed_federation is None:
+        if self.args.fed_launch_layout.federated:
             return self.fed_callback.averager.find_diverged_groups()
         flag = torch.tensor(0.0 if all_finite(model_state_tensors(self.model)) else 1.0, device=self.args.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return [self.args.fed_group_id] if flag.item() else []
+        return [self.args.fed_launch.group_id] if flag.item() else []
 
     def _track_best_checkpoint(self, run_dir: str, step: int) -> None:
         """Trainer's bookkeeping of the best checkpoint, for a checkpoint that is published at the end."""

@@ -27,6 +27,7 @@ import socket
 import time
 import urllib.parse
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -45,8 +46,13 @@ from hf_fedshard.engine.heal import PeerParts, mended
 from hf_fedshard.engine.rounds import NOT_READY, HealState, join, lead, next_lineage
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.topology import FederationLayout
+from hf_fedshard.transports.federation import FederationRequest
+from hf_fedshard.transports.launches import GroupLaunch
 from hf_fedshard.transports.members import differing_settings, gather_fingerprints, refuse_bad_members, settings_code
+from hf_fedshard.transports.mesh import replica_process_group
 from hf_fedshard.transports.quorum_world import UnequalQuorum, quorum_process_group
+from hf_fedshard.transports.torchft_internals import check_torchft_internals
+from hf_fedshard.transports.torchft_internals import quorum_id as torchft_quorum_id
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +141,32 @@ class GroupThenQuorum:
         raise NotImplementedError("the control collective is an all-reduce")
 
 
+@dataclass(frozen=True)
+class TorchftSettings(GroupLaunch):
+    """``fed_transport torchft``'s settings: a launch per group (``fed_group_id`` of ``fed_num_groups``), meeting at
+    a torchft Lighthouse (``fed_lighthouse``, ``http://HOST:PORT``)."""
+
+    lighthouse: str
+
+    example = (
+        "--fed_lighthouse http://HOST:29510 --fed_group_id 0 --fed_num_groups 4 (python -m hf_fedshard.lighthouse "
+        "prints the address)"
+    )
+
+
+def torchft_federation(request: FederationRequest) -> ElasticFederation:
+    """``fed_transport torchft``'s factory (`hf_fedshard.transports.register_transport`): this launch's side, which
+    reaches the lighthouse when it joins the first quorum (`ElasticFederation.join`)."""
+    settings, launch = request.settings, request.launch
+    split = request.options.split_exchange and launch.replicas > 1
+    return ElasticFederation(
+        lighthouse=settings.lighthouse, group_id=settings.group_id, num_groups=settings.num_groups,
+        group=request.group, timeout_s=request.timeout_s, fingerprint=request.fingerprint, heal=request.heal,
+        layout=request.layout, cut=request.cut, hsdp_replicas=launch.replicas, timeout=request.timeout,
+        split=ProcessGroupCommunicator(replica_process_group(request.mesh)) if split else None,
+    )  # fmt: skip
+
+
 class ElasticFederation:
     """This rank's side of a federation whose groups are separate launches (``fed_transport torchft``).
 
@@ -156,6 +188,8 @@ class ElasticFederation:
             average over every rank of the quorum (`UnequalQuorum`); ``None``: equal groups.
         cut: ``heal``'s committed state in parts (`hf_fedshard.engine.heal`), whose tensors a group of another size
             takes shard by shard; required with groups of unequal size, unused otherwise.
+        split: FL+HSDP's split exchange over the group's replicas (equal groups), or ``None``.
+        hsdp_replicas: the group's replicas; ``timeout``: how the limit is named in errors.
     """
 
     def __init__(
@@ -170,6 +204,9 @@ class ElasticFederation:
         heal: HealState,
         layout: FederationLayout | None = None,
         cut: Callable[[dict], PeerParts] | None = None,
+        split: Communicator | None = None,
+        hsdp_replicas: int = 1,
+        timeout: str = "",
     ) -> None:
         _import_torchft()  # refuse a missing torchft at construction, before training
         self.group_id, self.num_groups, self.group = group_id, num_groups, group
@@ -184,15 +221,17 @@ class ElasticFederation:
         self.manager: Any = None
         self.pg: Any = None
         self._healed = False
-        self._quorum_id: int | None = None
+        self._last_quorum: int | None = None
         self.peers = QuorumPeers(self)
         self.unequal = None if layout is None or layout.equal else UnequalQuorum(self, layout)
+        self.communicator = self._communicator(split, hsdp_replicas, timeout or f"fed_timeout_s={timeout_s:g}")
 
     def _start(self) -> None:
         """Start torchft's side (its Manager heartbeats to the lighthouse from now on) right before the first
         quorum: a group that heartbeats long before it asks would hold the others' quorum up to --join_timeout_s."""
         refuse_silent_lighthouse(self.lighthouse)
         torchft, group, timeout = _import_torchft(), self.group, timedelta(seconds=self.timeout_s)
+        check_torchft_internals()
         use_cuda = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
         base = torchft.ProcessGroupNCCL if use_cuda else torchft.ProcessGroupGloo
         self.pg = base(timeout=timeout) if self.unequal is None else quorum_process_group(base, timeout)
@@ -215,7 +254,7 @@ class ElasticFederation:
                 f"ranks: see rank 0's error). Cause: {str(err).splitlines()[0][:300]}"
             ) from err
 
-    def communicator(self, split: Communicator | None, hsdp_replicas: int, timeout: str) -> FederationCommunicator:
+    def _communicator(self, split: Communicator | None, hsdp_replicas: int, timeout: str) -> FederationCommunicator:
         """The engine's collectives over the quorum (FL+HSDP: ``split`` over the group's replicas; groups of unequal
         size: every rank of the quorum, whose pieces need no split)."""
         if self.unequal is not None:
@@ -263,9 +302,9 @@ class ElasticFederation:
         self.quorum_seconds = time.perf_counter() - begin
         if self.manager.errored() is not None:
             raise self._no_quorum(self.manager.errored())
-        quorum_id = self.manager._quorum_id  # torchft's id of the quorum; it changes when a group leaves or joins
-        changed = quorum_id != self._quorum_id
-        self._quorum_id = quorum_id
+        quorum_id = torchft_quorum_id(self.manager)
+        changed = quorum_id != self._last_quorum
+        self._last_quorum = quorum_id
         if changed and self.unequal is not None:
             self.unequal.configure()
         elif changed:

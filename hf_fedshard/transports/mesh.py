@@ -1,6 +1,6 @@
 """The one-job transport (``fed_transport mesh``): every group is in one ``torch.distributed`` world, and
 `mesh_communicator` gives the engine its cross-group collectives over process groups of that world, cut along the
-federation's mesh (`hf_fedshard.topology`).
+federation's mesh (`hf_fedshard.topology`). Its factory is `one_job_federation`.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import atexit
 import functools
 import gc
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -20,6 +21,34 @@ from torch.distributed.distributed_c10d import _world
 
 from hf_fedshard.engine.communicator import FederationCommunicator, ProcessGroupCommunicator
 from hf_fedshard.topology import FederationLayout, MeshAxis
+from hf_fedshard.transports.federation import FederationRequest
+
+
+@dataclass(frozen=True)
+class OneJobFederation:
+    """The one-job transport's federation: every group is in this job, so there is nobody to wait for at the start,
+    no group that can drop out, and nothing to leave at the end."""
+
+    communicator: FederationCommunicator
+
+    def join(self, averagings: int) -> None:
+        """Nothing to meet: every group starts with this job."""
+
+    def dropped_groups(self) -> list[int]:
+        return []
+
+    def shutdown(self) -> None:
+        """Nothing to leave: the job's process groups end with it (`destroy_gloo_groups_at_exit`)."""
+
+
+def one_job_federation(request: FederationRequest) -> OneJobFederation:
+    """``fed_transport mesh``'s factory (`hf_fedshard.transports.register_transport`): the collectives over this
+    job's groups, on new process groups of the world (every rank calls it, in the same order)."""
+    overlap, split = request.options.sync_overlap > 0, request.options.split_exchange
+    communicator = mesh_communicator(
+        request.layout, request.mesh, request.timeout_s, overlap=overlap, split=split, timeout=request.timeout
+    )
+    return OneJobFederation(communicator)
 
 
 def fed_process_group(layout: FederationLayout, timeout_s: float) -> ProcessGroup:

@@ -37,6 +37,7 @@ from hf_fedshard.engine.pieces import GroupShape, PieceExchange
 from hf_fedshard.engine.rounds import lead
 from hf_fedshard.topology import FederationLayout
 from hf_fedshard.transports.members import refuse_bad_members, settings_code
+from hf_fedshard.transports.torchft_internals import recording_process_group
 
 if TYPE_CHECKING:
     from hf_fedshard.transports.elastic import ElasticFederation
@@ -46,19 +47,8 @@ _COLUMNS = 4  # per nominal group: present, position in the quorum, averagings c
 
 def quorum_process_group(base: type, timeout: timedelta) -> Any:
     """The Manager's process group: torchft's ``base`` (its gloo or NCCL group), which also rendezvouses where a
-    group of the quorum has no rank at this rank's position (torchft hands such ranks an empty handle), and
-    records its rendezvous (the quorum's store and this rank's place in it) for `UnequalQuorum`."""
-    from torchft.process_group import _rendezvous
-
-    class QuorumProcessGroup(base):
-        rendezvous: Any = None
-
-        def reconfigure(self, opts: Any) -> Any:
-            opts.handles = [handle for handle in opts.handles if handle]  # groups smaller than this position
-            self.rendezvous = _rendezvous(opts, self._handle_id())
-            return super().reconfigure(opts)
-
-    return QuorumProcessGroup(timeout=timeout)
+    group of the quorum has no rank at this rank's position, and records its rendezvous for `UnequalQuorum`."""
+    return recording_process_group(base, timeout)
 
 
 class QuorumWorld:

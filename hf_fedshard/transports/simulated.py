@@ -252,7 +252,9 @@ class SimulatedFederation:
 
     # ---- Communicator over the quorum (peers and control: one rank per group) ----
 
+    @property
     def communicator(self) -> FederationCommunicator:
+        """The engine's collectives over the quorum, this launch's membership (a `Federation`'s, as transports give)."""
         return FederationCommunicator(
             peers=self, control=self, timeout=f"fed_timeout_s={self.timeout_s:g}", membership=self
         )

@@ -22,13 +22,6 @@ TINY = ["--num_samples", "128"]
 H4_10_STEPS = [*TINY, "--max_steps", "10", "--fed_sync_steps", "4"]
 
 
-@pytest.fixture(scope="module")
-def one_job_h4(tmp_path_factory) -> list[dict]:
-    """One job of 2 groups × 2 ranks (the mesh), H = 4, 10 steps: the reference of the torchft runs of those
-    settings, uninterrupted (`test_torchft_equals_the_one_job_mesh_to_the_bit`, the restart test)."""
-    return train_tiny(4, tmp_path_factory.mktemp("mesh"), [*H4_10_STEPS, "--fed_group_size", "2"])
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "extra",

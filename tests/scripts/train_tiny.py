@@ -29,6 +29,8 @@ the trainer was given was on the meta device and holds its shards as preparing l
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import math
 import os
 import signal
@@ -57,6 +59,9 @@ class ScriptArguments:
     num_samples: int = field(default=64, metadata={"help": "Training samples (sample i starts with token i)."})
     num_eval_samples: int = field(default=24, metadata={"help": "Evaluation samples."})
     freeze_all: bool = field(default=False, metadata={"help": "Freeze every parameter (error case)."})
+    transport_module: str | None = field(
+        default=None, metadata={"help": "A module imported before the arguments are parsed (it registers a transport)."}
+    )
     export_dir: str | None = field(default=None, metadata={"help": "save_model() here after training."})
     export_at_step: int | None = field(
         default=None, metadata={"help": "Call save_model(export_dir) at the end of this step instead."}
@@ -372,7 +377,18 @@ class SaveKillingTrainer(FedShardTrainer):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def import_transport(argv: list[str]) -> None:
+    """Import ``--transport_module`` first, as a user's script imports the module of its own transport: it must be
+    registered before the arguments name it."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--transport_module")
+    module = pre.parse_known_args(argv)[0].transport_module
+    if module:
+        importlib.import_module(module)
+
+
 def main(argv: list[str] | None = None) -> None:
+    import_transport(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser((ScriptArguments, FedShardTrainingArguments))
     script, args = parser.parse_args_into_dataclasses(argv)
     destroy_gloo_groups_at_exit()  # the plain-Trainer reference runs need it too

@@ -150,7 +150,7 @@ def test_the_resume_refuses_another_format_on_each_rank_before_any_collective(tm
     if manifest:
         files = describe_files(checkpoint, list_files(checkpoint))
         (tmp_path / MANIFEST_NAME).write_text(json.dumps({"files": files}))
-    run = ResumeSettings(str(tmp_path.parent), auto_resume=False, launch_per_group=False, rank=0, writes=True)
+    run = ResumeSettings(str(tmp_path.parent), auto_resume=False, groups_publish_apart=False, rank=0, writes=True)
     with pytest.raises(ConfigError, match=r"records no checkpoint format in fed_layout\.json, but this release"):
         resumable_checkpoint(checkpoint, run, FL_FSDP_4, llama())
 

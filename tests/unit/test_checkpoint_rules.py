@@ -146,7 +146,7 @@ def every_rank_resumes(checkpoint: str, layout: FederationLayout, monkeypatch) -
 
     def rank_fn(comm):
         ranks.comm = comm
-        run = resume.ResumeSettings(os.path.dirname(checkpoint), auto_resume=False, launch_per_group=False,
+        run = resume.ResumeSettings(os.path.dirname(checkpoint), auto_resume=False, groups_publish_apart=False,
                                     rank=comm.rank(), writes=comm.rank() == 0)  # fmt: skip
         try:
             assert resumable_checkpoint(checkpoint, run, layout, model) == checkpoint

@@ -42,14 +42,30 @@ def test_the_engine_imports_no_transformers_and_no_other_layer(path):
 
 
 def test_every_transport_is_one_module_whose_factory_the_registry_loads():
-    """`hf_fedshard.transports.TRANSPORTS`: each entry's factory imports from its own module (torchft's on use)."""
-    from hf_fedshard.transports import TRAINER_TRANSPORTS, TRANSPORTS
+    """`hf_fedshard.transports.TRANSPORTS`: each built-in's factory is named in its own module (torchft's imported on
+    use), and its settings derive from `OneJob` or `GroupLaunch`."""
+    from hf_fedshard.transports import TRANSPORTS, GroupLaunch, OneJob
 
-    assert list(TRANSPORTS) == ["mesh", "torchft", "simulated"] and TRAINER_TRANSPORTS == ("mesh", "torchft")
-    for transport in TRANSPORTS.values():
-        module = transport.factory.split(":")[0]
-        assert callable(transport.load()) and module.startswith("hf_fedshard.transports.")
-        assert (PACKAGE / "transports" / f"{module.rsplit('.', 1)[1]}.py").is_file()
+    assert list(TRANSPORTS)[:2] == ["mesh", "torchft"]  # then any a test registered (tests/store_transport.py)
+    for transport in [TRANSPORTS["mesh"], TRANSPORTS["torchft"]]:
+        module, name = transport.factory.split(":")
+        assert module.startswith("hf_fedshard.transports.") and issubclass(transport.settings, OneJob | GroupLaunch)
+        assert f"def {name}(" in (PACKAGE / "transports" / f"{module.rsplit('.', 1)[1]}.py").read_text()
+
+
+def test_no_module_outside_the_transports_branches_on_one():
+    """Above `transports/`, a transport is reached through the registry and its settings' methods: no comparison
+    with a transport's name, no launch-per-group flag, no transport module but shared helpers (mesh's process
+    groups, the members' fingerprint). ``lighthouse.py`` is torchft's own command (``python -m``)."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "transports" or path.name == "lighthouse.py":
+            continue
+        text = path.read_text()
+        for pattern in ("fed_transport ==", "fed_transport !=", '== "torchft"', '== "mesh"', "launch_per_group"):
+            assert pattern not in text, f"{path.relative_to(PACKAGE)}: {pattern}"
+        transports = {n for n in imported_modules(path) if n.startswith("hf_fedshard.transports.")}
+        shared = {"hf_fedshard.transports.mesh", "hf_fedshard.transports.members"}
+        assert transports <= shared, f"{path.relative_to(PACKAGE)}: {sorted(transports)}"
 
 
 def test_the_callback_imports_only_the_engine_and_transformers():

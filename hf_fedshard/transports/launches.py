@@ -1,0 +1,148 @@
+"""How a transport's launches cover the federation: one launch for every group (`OneJob`), or a launch per group
+(`GroupLaunch`). A transport's settings derive from one of the two, so the Trainer, its arguments, resume and the
+data split ask the settings (which groups this launch holds, where it writes, what it reads) instead of branching
+on a transport's name.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from hf_fedshard.errors import ConfigError
+from hf_fedshard.topology import FederationLayout
+
+
+@dataclass(frozen=True)
+class OneJob:
+    """Every group in this launch (one ``torch.distributed`` world): the settings of a transport with nothing else
+    to set (``mesh``)."""
+
+    group_id = None  # this launch holds every group
+    federated = False  # a federation only if its layout has several groups
+
+    def check(self, transport: str, group_size: int | tuple[int, ...] | None, world: int) -> None:
+        """Nothing to check: the layout checks the sizes against ``world``."""
+
+    def check_training(self, args: Any) -> None:
+        """Nothing to refuse: the groups of one job meet at every collective."""
+
+    def launch_layout(self, group_size: int | tuple[int, ...] | None, shard_size: int | None) -> FederationLayout:
+        """This launch's ranks: the whole federation."""
+        return FederationLayout.from_env(group_size, shard_size)
+
+    def federation_layout(
+        self, launch: FederationLayout, group_size: int | tuple[int, ...] | None, shard_size: int | None
+    ) -> FederationLayout:
+        """The whole federation: this launch."""
+        return launch
+
+    def output_dir(self, output_dir: str | None) -> str | None:
+        """Every group of the job writes under one ``output_dir`` (each group's shards in its own folder)."""
+        return output_dir
+
+    def group_index(self, layout: FederationLayout, process_index: int) -> int:
+        """The group of the rank ``process_index`` of this launch."""
+        return layout.group_index(process_index)
+
+    def data_first_rank(self, layout: FederationLayout) -> int | None:
+        """The rank whose share of the data this launch's rank 0 reads: ``None``, the launch's own (Accelerate's)."""
+        return None
+
+    @property
+    def groups_publish_apart(self) -> bool:
+        """Whether each group publishes its own checkpoints (a resume takes a step every group has): no."""
+        return False
+
+
+@dataclass(frozen=True)
+class GroupLaunch:
+    """This launch is one group of ``num_groups`` launches (``torchft``, or a transport registered from outside):
+    group ``group_id`` reads slice ``group_id`` of ``num_groups`` of the data and writes under
+    ``output_dir/fed_group{group_id}``."""
+
+    group_id: int
+    num_groups: int
+
+    federated = True  # one group of a federation of launches, even alone (it checkpoints and heals as one)
+
+    def check(self, transport: str, group_size: int | tuple[int, ...] | None, world: int) -> None:
+        """The group's id against the number of groups, and this launch's ranks against ``fed_group_size``."""
+        if self.num_groups < 1 or not 0 <= self.group_id < self.num_groups:
+            raise ConfigError(
+                f"fed_group_id={self.group_id} must be in 0 … fed_num_groups - 1 (fed_num_groups={self.num_groups}). "
+                "Give each launch its own id below --fed_num_groups."
+            )
+        if isinstance(group_size, tuple):
+            self._check_sizes(transport, group_size, world)
+        elif group_size not in (None, world):
+            raise ConfigError(
+                f"fed_group_size={group_size} but this launch has WORLD_SIZE={world}: with fed_transport {transport} "
+                "every launch is one group. Drop --fed_group_size (or launch that many ranks per group)."
+            )
+
+    def check_training(self, args: Any) -> None:
+        """The groups meet only in averagings: what would need them in between is refused (``args``: the Trainer's
+        arguments)."""
+        sync, steps = args.fed_sync_steps, args.eval_steps
+        if args.eval_strategy == "steps" and steps and (steps < 1 or int(steps) % sync):
+            raise ConfigError(
+                f"eval_steps={steps} is not a multiple of fed_sync_steps={sync}: with a launch per group the groups "
+                f"hold one global model only at averaging steps. Set --eval_steps to a multiple of {sync}."
+            )
+        if args.fed_schedule.streaming:
+            raise ConfigError(
+                "fed_sync_fragments/fed_sync_overlap stream the averaging between rounds, which a launch per group "
+                "does not redo when a group leaves: set --fed_sync_fragments 1 --fed_sync_overlap 0."
+            )
+        if args.load_best_model_at_end or args.fed_eval_per_group:
+            raise ConfigError(
+                "load_best_model_at_end and fed_eval_per_group compare the groups outside an averaging, which a "
+                "launch per group does not do. Turn them off."
+            )
+
+    def _check_sizes(self, transport: str, sizes: tuple[int, ...], world: int) -> None:
+        """Groups of unequal size: the list names every group's size (each launch reads its data slice and checks
+        its peers by it), so it must have ``num_groups`` entries and this launch must be its size."""
+        listed = ",".join(map(str, sizes))
+        if len(sizes) != self.num_groups:
+            raise ConfigError(
+                f"fed_group_size={listed} names {len(sizes)} groups but fed_num_groups={self.num_groups}: with "
+                f"fed_transport {transport} the list gives every group's size. Give one size per group."
+            )
+        if sizes[self.group_id] != world:
+            raise ConfigError(
+                f"fed_group_size={listed} gives fed_group{self.group_id} {sizes[self.group_id]} ranks, but this "
+                f"launch has WORLD_SIZE={world}. Launch group {self.group_id} on {sizes[self.group_id]} ranks (or "
+                "fix the list)."
+            )
+
+    def launch_layout(self, group_size: int | tuple[int, ...] | None, shard_size: int | None) -> FederationLayout:
+        """This launch's ranks: one group (of unequal groups, this one's size)."""
+        if isinstance(group_size, tuple):
+            return FederationLayout.from_env(group_size[self.group_id], shard_size)
+        return FederationLayout.from_env(group_size, shard_size)
+
+    def federation_layout(
+        self, launch: FederationLayout, group_size: int | tuple[int, ...] | None, shard_size: int | None
+    ) -> FederationLayout:
+        """The nominal federation of ``num_groups`` launches like this one (or of the listed sizes)."""
+        if isinstance(group_size, tuple):  # the list names every group's size; ``shard_size`` as given
+            return FederationLayout(sum(group_size), group_size, shard_size)
+        return FederationLayout(launch.world_size * self.num_groups, launch.group_size, launch.shard_size)
+
+    def output_dir(self, output_dir: str | None) -> str:
+        """Every group writes its own checkpoints, logs and exports: no barrier across groups."""
+        return os.path.join(output_dir or "trainer_output", f"fed_group{self.group_id}")
+
+    def group_index(self, layout: FederationLayout, process_index: int) -> int:
+        return self.group_id
+
+    def data_first_rank(self, layout: FederationLayout) -> int | None:
+        """This launch reads what its ranks would read in one job of the nominal layout."""
+        return layout.first_rank(self.group_id)
+
+    @property
+    def groups_publish_apart(self) -> bool:
+        return True
