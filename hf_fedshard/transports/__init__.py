@@ -15,7 +15,8 @@ Built in:
   averagings (`hf_fedshard.transports.elastic.torchft_federation`).
 
 (``simulated``, `hf_fedshard.transports.simulated`, runs launches as threads on a fake clock for the round
-protocol's tests; it is not a Trainer transport.) docs/transports.md shows a fourth one, with its test.
+protocol's tests; it is not a Trainer transport.) The README's "How it is built" shows a fourth one written outside
+the package, tests/store_transport.py, with its test.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def register_transport(
     if not (isinstance(settings, type) and issubclass(settings, OneJob | GroupLaunch)):
         raise TypeError(
             f"register_transport({name!r}): settings must be a dataclass deriving from "
-            "hf_fedshard.transports.OneJob or GroupLaunch (a launch per group), got {settings!r}."
+            f"hf_fedshard.transports.OneJob or GroupLaunch (a launch per group), got {settings!r}."
         )
     if not dataclasses.is_dataclass(settings):
         raise TypeError(f"register_transport({name!r}): settings {settings.__name__} must be a dataclass.")

@@ -95,3 +95,24 @@ def test_importing_the_engine_loads_no_transformers():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_every_override_of_a_trainer_method_says_why_in_its_first_line():
+    """Each `Trainer` method the mixin's parts (and TRL's) override opens with one comment line saying why Trainer's
+    own code cannot do it (a private method of Trainer may change between releases: the reason says what to check)."""
+    from transformers import Trainer
+
+    paths = [*sorted((PACKAGE / "integrations").glob("trainer*.py")), PACKAGE / "trl.py"]
+    silent = []
+    for path in paths:
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            methods = node.body if isinstance(node, ast.ClassDef) else []
+            for method in [m for m in methods if isinstance(m, ast.FunctionDef) and hasattr(Trainer, m.name)]:
+                if method.name == "__init__":
+                    continue
+                opening = lines[method.body[0].lineno - 2].strip()  # the line above its first statement
+                if not opening.startswith("#"):
+                    silent.append(f"{path.name}: {method.name}")
+    assert silent == []

@@ -33,7 +33,9 @@ class FedCountingTrainer(CountingTrainer, FedShardMixin):
 
 
 def test_mixin_composes_with_a_subclass_that_overrides_compute_loss(tmp_path):
-    assert FedCountingTrainer.__mro__[:4] == (FedCountingTrainer, CountingTrainer, FedShardMixin, Trainer)
+    mro = FedCountingTrainer.__mro__  # the user's override first, then the mixin and its parts, then Trainer
+    assert mro[:3] == (FedCountingTrainer, CountingTrainer, FedShardMixin) and mro[-2:] == (Trainer, object)
+    assert mro[3:-2] == FedShardMixin.__bases__[:-1]
     args = FedShardTrainingArguments(
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, logging_steps=1, report_to="none",
         disable_tqdm=True, use_cpu=True,

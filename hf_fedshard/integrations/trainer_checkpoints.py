@@ -1,0 +1,238 @@
+"""Federated checkpoints: save, load, resume on another layout, and the exported global model (the Trainer's side).
+
+`CheckpointMixin` writes each group's own shards into a staging folder renamed once every rank is done, reads them
+back (or, on another layout, the checkpoint's global model resharded), and exports the averaged model in the Hugging
+Face format. One of the parts of `hf_fedshard.integrations.trainer.FedShardMixin`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import StateDictType
+from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+
+from hf_fedshard.checkpointing.averaging_state import load_averaging_state, save_averaging_state
+from hf_fedshard.checkpointing.checkpoint import (
+    atomic_checkpoint,
+    group_dir,
+    load_group_model,
+    load_group_optimizer,
+    reading,
+    save_group_model,
+    save_group_optimizer,
+    tokenizer_fingerprint,
+    write_layout_record,
+)
+from hf_fedshard.checkpointing.reshard import (
+    layout_change,
+    load_global_model,
+    load_mean_optimizer,
+    load_resharded_averaging_state,
+)
+from hf_fedshard.checkpointing.resume import load_on_every_rank
+from hf_fedshard.engine.payload import all_finite, load_model_state, model_state_tensors
+from hf_fedshard.errors import ConfigError
+from hf_fedshard.integrations.file_modes import follow_umask
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointMixin(Trainer):
+    """Each group's own shards saved and loaded, atomically; the global model exported."""
+
+    def _check_layout_change(self, checkpoint: str) -> None:
+        """Refuse, on every rank alike, a layout change this run cannot honour."""
+        change = self._layout_change
+        if change is None:
+            return
+        if self.args.fed_launch.groups_publish_apart:
+            raise ConfigError(
+                f"resume_from_checkpoint={checkpoint} was written on {change.old_layout()}, but fed_transport "
+                f"{self.args.fed_transport} resumes a group's checkpoint only on its own group size. Relaunch the "
+                f"group on {change.saved['world_size']} ranks, or resume it with fed_transport mesh."
+            )
+        if self.args.max_steps <= 0:
+            raise ConfigError(
+                f"resume_from_checkpoint={checkpoint} was written on {change.old_layout()} and this run is "
+                f"{change.new_layout()}: a layout change keeps counting optimizer steps, so it needs --max_steps "
+                "(the schedule's length; epochs would change it with the world batch). Pass --max_steps."
+            )
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        # Trainer's FSDP save runs DCP over the world, where groups would write the same keys, and in place:
+        # here each group saves its own shards into a staging folder that is renamed once every rank is done.
+        if self.fed_callback is None:
+            return super()._save_checkpoint(model, trial)
+        step = self.state.global_step
+        diverged = self._diverged_groups()
+        if diverged:
+            if self.args.should_log:
+                logger.warning(
+                    "hf_fedshard: checkpoint-%d not written: group(s) %s hold NaN/Inf (the next averaging restarts "
+                    "them from the others); the previous checkpoints stay the latest good ones.",
+                    step,
+                    diverged,
+                )
+            return
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        final_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        self._track_best_checkpoint(run_dir, step)
+        with atomic_checkpoint(final_dir, self.args.should_save) as staging:
+            self._save_federated_state(staging)
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final_dir)
+        if self.args.should_save:
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
+    def _diverged_groups(self) -> list[int]:
+        """The groups holding a NaN/Inf now; with torchft, where groups meet only in averagings, this group alone."""
+        if self.args.fed_launch_layout.federated:
+            return self.fed_callback.averager.find_diverged_groups()
+        flag = torch.tensor(0.0 if all_finite(model_state_tensors(self.model)) else 1.0, device=self.args.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return [self.args.fed_launch.group_id] if flag.item() else []
+
+    def _track_best_checkpoint(self, run_dir: str, step: int) -> None:
+        """Trainer's bookkeeping of the best checkpoint, for a checkpoint that is published at the end."""
+        strategies = (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
+        best_step = self.state.best_global_step
+        if self.args.save_strategy in strategies and best_step:
+            best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
+            if best_step == step or os.path.exists(best_dir):
+                self.state.best_model_checkpoint = best_dir
+
+    def _save_federated_state(self, checkpoint: str) -> None:
+        """Everything needed to continue exactly, each group's shards in its own ``fed_group{g}`` folder."""
+        group = group_dir(checkpoint, self._group_index)
+        save_group_model(self.model, os.path.join(group, "model"), self._group_pg)
+        if not self.args.save_only_model:
+            self._save_optimizer_and_scheduler(checkpoint)
+            self._save_scaler(checkpoint)
+            self._save_rng_state(checkpoint)
+        state = self.fed_callback.averager.state_dict()
+        layout = self.args.fed_launch_layout
+        save_averaging_state(checkpoint, layout, self.args.process_index, state, self.model, self._group_pg)
+        if self.args.should_save:
+            read = {
+                **self._data_arithmetic,
+                **self._epoch_position(),
+                "tokenizer": tokenizer_fingerprint(self.processing_class),
+            }
+            write_layout_record(checkpoint, layout, self.model, read)
+            config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+            if config is not None:
+                config.save_pretrained(checkpoint)
+            self._save_trainer_state(checkpoint)
+
+    def _save_trainer_state(self, checkpoint: str) -> None:
+        """``trainer_state.json`` with the stateful callbacks, as Trainer writes it (the last file of a checkpoint).
+        A group healed from a peer holds none yet (`integrations.elastic.resume_folder` leaves the peer's out)."""
+        for cb in [cb for cb in [*self.callback_handler.callbacks, self.control] if isinstance(cb, ExportableState)]:
+            name, cb_state = cb.__class__.__name__, cb.state()
+            if isinstance(self.state.stateful_callbacks.get(name), list):
+                self.state.stateful_callbacks[name].append(cb_state)
+            else:
+                self.state.stateful_callbacks[name] = cb_state
+        self.state.save_to_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # Groups' optimizer moments differ between averagings: each group saves its own, over its own ranks.
+        if self.fed_callback is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        directory = os.path.join(group_dir(output_dir, self._group_index), "optimizer")
+        save_group_optimizer(self.model, self.optimizer, directory, self._group_pg)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # Each rank reads its own group's shards and FedAvg counters; every rank learns of any rank's failure.
+        if self.fed_callback is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self._peer_state is not None:  # a heal: the peer's global model and averaging state, from memory
+            load_model_state(model or self.model, self._peer_state["averager"]["model"])
+            return self.fed_callback.load_state_dict(self._peer_state["averager"]["averager"])
+        load_on_every_rank(resume_from_checkpoint, lambda: self._load_federated_state(resume_from_checkpoint, model))
+
+    def _load_federated_state(self, checkpoint: str, model: nn.Module | None) -> None:
+        """This rank's model shards and averaging state (`_save_federated_state`'s), or on another layout the
+        checkpoint's global model and averaging state resharded (`hf_fedshard.checkpointing.reshard`)."""
+        model = model or self.model
+        if self._layout_change is not None:
+            load_global_model(model, self._layout_change, self._group_pg)
+            state = load_resharded_averaging_state(self._layout_change, model, self._group_pg)
+            return self.fed_callback.load_state_dict(state)
+        group = group_dir(checkpoint, self._group_index)
+        load_group_model(model, os.path.join(group, "model"), self._group_pg)
+        layout = self.args.fed_launch_layout
+        state = load_averaging_state(checkpoint, layout, self.args.process_index, model, self._group_pg)
+        self.fed_callback.load_state_dict(state)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Each group reads its own optimizer state; a save_only_model checkpoint has none, as with Trainer.
+        if self.fed_callback is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if self._peer_state is not None:  # a heal: the peer's schedule; the inner optimizer starts afresh
+            self.lr_scheduler.load_state_dict(self._peer_state["scheduler"])
+            self._peer_state = None
+            return
+        group = 0 if self._layout_change is not None else self._group_index  # another layout: group 0 is there
+        directory = os.path.join(group_dir(checkpoint, group), "optimizer")
+        if not os.path.isdir(directory):
+            return
+        load_on_every_rank(checkpoint, lambda: self._load_group_optimizer_and_scheduler(checkpoint, directory))
+
+    def _load_group_optimizer_and_scheduler(self, checkpoint: str, directory: str) -> None:
+        if self._layout_change is not None:
+            load_mean_optimizer(self.model, self.optimizer, self._layout_change, self._group_pg)
+        else:
+            load_group_optimizer(self.model, self.optimizer, directory, self._group_pg)
+        path = os.path.join(checkpoint, SCHEDULER_NAME)
+        with reading(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        # The best checkpoint holds one copy per group: each group reloads its own.
+        if self.fed_callback is None:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        change = layout_change(best, self.args.fed_launch_layout)  # written before a layout change: its global model
+        if change is not None:
+            load_global_model(self.model, change, self._group_pg)
+        else:
+            load_group_model(self.model, os.path.join(group_dir(best, self._group_index), "model"), self._group_pg)
+        self.fed_callback.averager.adopt_plain_average()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        # Export the global model in the Hugging Face format: the groups' plain average between averagings (each
+        # group gets its own model back), FSDP2's shards gathered (Trainer writes nothing for SHARDED_STATE_DICT).
+        # Federated checkpoints never come here (see _save_checkpoint), so this gathers for exports only.
+        if self.fed_callback is None:
+            super().save_model(output_dir, _internal_call)
+        else:
+            self._save_global_model(output_dir, _internal_call)
+        if self.args.should_save:  # safetensors writes its files 0600: the weights get the umask's mode like the rest
+            follow_umask(output_dir or self.args.output_dir)
+
+    def _save_global_model(self, output_dir: str | None, _internal_call: bool) -> None:
+        with self.fed_callback.global_model():
+            if self.accelerator.state.fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
+                return super().save_model(output_dir, _internal_call)
+            state_dict = self.accelerator.get_state_dict(self.model)
+        self._save(output_dir or self.args.output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
