@@ -21,11 +21,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
-from hf_fedshard.engine import FederationCommunicator, ProcessGroupCommunicator
-from hf_fedshard.engine.communicator import Round
+from hf_fedshard.engine import FederationCommunicator
+from hf_fedshard.engine.communicator import GroupThenPeers, Round
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.transports import FederationRequest, GroupLaunch, register_transport
 
@@ -61,29 +61,6 @@ class GlooPeers:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self.pg.allgather([list(output.chunk(self.size()))], [input], AllgatherOptions()).wait()
-
-
-class GroupThenPeers:
-    """Every rank of the federation (the control all-reduce): the sum inside the group, then across the peers."""
-
-    def __init__(self, group: ProcessGroup, peers: GlooPeers) -> None:
-        self.group, self.peers = ProcessGroupCommunicator(group), peers
-
-    def size(self) -> int:
-        return self.group.size() * self.peers.size()
-
-    def rank(self) -> int:
-        return self.peers.rank() * self.group.size() + self.group.rank()
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        self.group.all_reduce_sum(tensor)
-        self.peers.all_reduce_sum(tensor)
-
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        raise NotImplementedError("the control collective is an all-reduce")
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        raise NotImplementedError("the control collective is an all-reduce")
 
 
 class StoreFederation:

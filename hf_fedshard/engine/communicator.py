@@ -84,6 +84,31 @@ class ProcessGroupCommunicator:
         all_to_all_single(output, input, output_splits, input_splits, group=self.group)
 
 
+class GroupThenPeers:
+    """A `Communicator` over every rank of a federation whose groups are separate launches (a control all-reduce):
+    the sum inside this rank's group, then across its ``peers`` (one rank per group). For transports that meet
+    groups at one shard position at a time (torchft's, or one written outside the package)."""
+
+    def __init__(self, group: ProcessGroup, peers: Communicator) -> None:
+        self.group, self.peers = ProcessGroupCommunicator(group), peers
+
+    def size(self) -> int:
+        return self.group.size() * self.peers.size()
+
+    def rank(self) -> int:
+        return self.peers.rank() * self.group.size() + self.group.rank()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        self.group.all_reduce_sum(tensor)
+        self.peers.all_reduce_sum(tensor)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        raise NotImplementedError("the control collective is an all-reduce")
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        raise NotImplementedError("the control collective is an all-reduce")
+
+
 class Membership(Protocol):
     """A transport whose set of groups may change between averagings.
 

@@ -39,6 +39,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 from hf_fedshard.engine.communicator import (
     Communicator,
     FederationCommunicator,
+    GroupThenPeers,
     ProcessGroupCommunicator,
     Round,
 )
@@ -116,29 +117,6 @@ class QuorumPeers:
                 # instead of after fed_timeout_s. The next quorum builds new ones.
                 self.pg.abort()
         output.zero_()
-
-
-class GroupThenQuorum:
-    """A `Communicator` over every rank of every group in the quorum: the sum inside the group, then across."""
-
-    def __init__(self, group: ProcessGroup, peers: QuorumPeers) -> None:
-        self.group, self.peers = ProcessGroupCommunicator(group), peers
-
-    def size(self) -> int:
-        return self.group.size() * self.peers.size()
-
-    def rank(self) -> int:
-        return self.peers.rank() * self.group.size() + self.group.rank()
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        self.group.all_reduce_sum(tensor)
-        self.peers.all_reduce_sum(tensor)
-
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        raise NotImplementedError("the control collective is an all-reduce")
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        raise NotImplementedError("the control collective is an all-reduce")
 
 
 @dataclass(frozen=True)
@@ -263,7 +241,7 @@ class ElasticFederation:
                 membership=self, round_groups=self.unequal,
             )  # fmt: skip
         return FederationCommunicator(
-            peers=self.peers, control=GroupThenQuorum(self.group, self.peers), split=split,
+            peers=self.peers, control=GroupThenPeers(self.group, self.peers), split=split,
             hsdp_replicas=hsdp_replicas, timeout=timeout, membership=self,
         )  # fmt: skip
 
