@@ -457,7 +457,8 @@ class FederatedAverager:
         with torch.no_grad():
             for index, deltas, mean in zip(indices, result.deltas, result.means, strict=True):
                 fragment = self.fragments[index]
-                self._tell("exchanged", self.step_count, index, _sent(deltas, result, self.comm.group), mean)
+                if self._observers:  # a speed-aware round's sent copy is made only for whoever watches
+                    self._tell("exchanged", self.step_count, index, _sent(deltas, result, self.comm.group), mean)
                 fragment.outer.step(mean, fragment.of(params))
                 fragment.averaged_at = self.step_count
             for tensor, averaged in zip(others, result.plain, strict=True):

@@ -1,7 +1,7 @@
 """What a transport is given and what it gives back: `FederationRequest` → `Federation`.
 
 One signature for every transport, so the Trainer, TRL, resume and the plain loop's `FederatedAverager` build any
-of them the same way (`hf_fedshard.transports.build_federation`).
+of them the same way (`hf_fedshard.transports.Transport.build`).
 """
 
 from __future__ import annotations

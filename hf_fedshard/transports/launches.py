@@ -21,6 +21,7 @@ class OneJob:
 
     group_id = None  # this launch holds every group
     federated = False  # a federation only if its layout has several groups
+    groups_publish_apart = False  # one job publishes every group's checkpoint at once
 
     def check(self, transport: str, group_size: int | tuple[int, ...] | None, world: int) -> None:
         """Nothing to check: the layout checks the sizes against ``world``."""
@@ -50,11 +51,6 @@ class OneJob:
         """The rank whose share of the data this launch's rank 0 reads: ``None``, the launch's own (Accelerate's)."""
         return None
 
-    @property
-    def groups_publish_apart(self) -> bool:
-        """Whether each group publishes its own checkpoints (a resume takes a step every group has): no."""
-        return False
-
 
 @dataclass(frozen=True)
 class GroupLaunch:
@@ -66,6 +62,7 @@ class GroupLaunch:
     num_groups: int
 
     federated = True  # one group of a federation of launches, even alone (it checkpoints and heals as one)
+    groups_publish_apart = True  # each group its own checkpoints: a full restart resumes at a step every group has
 
     def check(self, transport: str, group_size: int | tuple[int, ...] | None, world: int) -> None:
         """The group's id against the number of groups, and this launch's ranks against ``fed_group_size``."""
@@ -142,7 +139,3 @@ class GroupLaunch:
     def data_first_rank(self, layout: FederationLayout) -> int | None:
         """This launch reads what its ranks would read in one job of the nominal layout."""
         return layout.first_rank(self.group_id)
-
-    @property
-    def groups_publish_apart(self) -> bool:
-        return True
