@@ -231,15 +231,18 @@ def train_groups(
     num_groups: int, nproc: int, out_dir: Path, args: list[str], address: str, timeout_s: float = 300
 ) -> list[list[dict]]:
     """Run tests/scripts/train_tiny.py as ``num_groups`` launches of ``nproc`` ranks (fed_transport torchft);
-    every group's ranks' dumps, group by group."""
+    every group's ranks' dumps, group by group (each first rank's with its launch's ``stdout``)."""
     launches = [start_group(g, num_groups, nproc, out_dir, args, address) for g in range(num_groups)]
     results = [finish(launch, timeout_s) for launch in launches]
     for result in results:
         assert result.returncode == 0, result.stdout[-6000:]
-    return [
+    dumps = [
         [torch.load(out_dir / f"dump{g}" / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
         for g in range(num_groups)
     ]
+    for group, result in zip(dumps, results, strict=True):
+        group[0]["stdout"] = result.stdout
+    return dumps
 
 
 def start_group(

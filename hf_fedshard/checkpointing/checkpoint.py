@@ -257,16 +257,18 @@ def write_layout_record(checkpoint: str, layout: FederationLayout, model: nn.Mod
         json.dump(layout_record(layout, model, data), f, indent=2)
 
 
-def check_resumable(checkpoint: str, layout: FederationLayout, model: nn.Module) -> None:
+def check_resumable(checkpoint: str, layout: FederationLayout, model: nn.Module, federated: bool) -> None:
     """Raise `ConfigError` unless ``checkpoint`` is of the format this release loads (`check_format`, first) and was
     written by a run of this model; on another layout, unless it records the data arithmetic a layout change needs
     (``samples_per_step``: `hf_fedshard.checkpointing.reshard`).
 
-    With one group, only a federated checkpoint is checked (and refused): others are Trainer's own. Reads one small
-    file and no collective, so every rank raises the same error and none waits for the others.
+    ``layout`` is what the checkpoint holds (this launch's groups); ``federated`` whether this run is one of a
+    federation (a torchft group is, though its launch holds one group). A run of one group without federation checks
+    only a federated checkpoint (and refuses it): others are Trainer's own. Reads one small file and no collective, so
+    every rank raises the same error and none waits for the others.
     """
     saved = read_layout_record(checkpoint)
-    if not layout.federated and saved is None:
+    if not federated and saved is None:
         return
     if saved is None:
         raise ConfigError(
@@ -275,10 +277,10 @@ def check_resumable(checkpoint: str, layout: FederationLayout, model: nn.Module)
             "output_dir, or start without resume_from_checkpoint."
         )
     check_format(saved, checkpoint)  # before any other field is read: another format may hold them otherwise
-    if layout.federated and "samples_per_step" in saved:  # another layout is resharded (checkpointing.reshard)
+    if federated and "samples_per_step" in saved:  # another layout is resharded (checkpointing.reshard)
         check_model_matches(saved["model"], model_fingerprint(model), checkpoint)
         return
-    check_layout_matches(saved, layout, checkpoint)
+    check_layout_matches(saved, layout, checkpoint, federated)
     check_model_matches(saved["model"], model_fingerprint(model), checkpoint)
 
 
@@ -294,14 +296,14 @@ def check_format(saved: dict[str, Any], checkpoint: str) -> None:
         )
 
 
-def check_layout_matches(saved: dict[str, Any], layout: FederationLayout, checkpoint: str) -> None:
+def check_layout_matches(saved: dict[str, Any], layout: FederationLayout, checkpoint: str, federated: bool) -> None:
     """One group resumes no federated checkpoint, and a checkpoint without its data arithmetic (``samples_per_step``)
     resumes only on its own world, group and shard sizes."""
     then = recorded_layout(saved)
     if layout != then:
         why = (
             "one group (no federation) does not resume a federated checkpoint"
-            if not layout.federated
+            if not federated
             else "it records no data arithmetic (samples_per_step), which a resume on another layout needs"
         )
         raise ConfigError(

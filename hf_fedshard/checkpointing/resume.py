@@ -149,12 +149,14 @@ def _size_problem(checkpoint: str, layout: FederationLayout, model: nn.Module, r
     except ValueError as err:
         return str(err)
     if files is None:
-        check_resumable(checkpoint, layout, model)  # refuses what no federated run wrote, or another format
+        check_resumable(
+            checkpoint, layout, model, federated=True
+        )  # refuses what no federated run wrote, or another format
         return f"{MANIFEST_NAME} is missing"
     top_level = [path for path in files if "/" not in path]
     problem = size_problem(checkpoint, files, top_level)
     if problem is None:
-        check_resumable(checkpoint, layout, model)  # another model is bad input, not damage
+        check_resumable(checkpoint, layout, model, federated=True)  # another model is bad input, not damage
         resharded = changes_layout(read_layout_record(checkpoint), layout)
         problem = size_problem(checkpoint, files, _files_read_by(files, layout, rank, resharded))
     return problem

@@ -3,24 +3,21 @@ it starts from it.
 
 A group that joins a running federation (a restart, or a new group) heals before its training loop starts: the first
 quorum hands it a live peer's state as of that peer's last committed averaging, and the Trainer resumes from it as
-from a checkpoint (global step, learning-rate schedule, data position, global model, anchors and outer state),
-except that its inner optimizer starts fresh: only the trainer state, ``trainer_state.json``, touches the disk, in a
-temporary folder of its own. What it is sent is registered by part (`register_heal_parts`,
-`hf_fedshard.engine.rounds`), as of the sender's last committed averaging. Between groups of unequal size the same
-state travels in parts (`cut_state`), its tensors copied onto the joining group's own shards.
+from a checkpoint (`hf_fedshard.integrations.resume_source.LivePeer`: global step, learning-rate schedule, data
+position, global model, anchors and outer state), except that its inner optimizer starts fresh; nothing touches the
+disk. A group that lost a round mid-run takes the same parts through their ``load``. What it is sent is registered
+by part (`register_heal_parts`, `hf_fedshard.engine.rounds`), as of the sender's last committed averaging. Between
+groups of unequal size the same state travels in parts (`cut_state`), its tensors copied onto the joining group's
+own shards.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import os
-import tempfile
 from typing import TYPE_CHECKING
 
 from transformers import TrainerState
-from transformers.trainer import TRAINER_STATE_NAME
 
 from hf_fedshard.checkpointing.checkpoint import model_fingerprint
 from hf_fedshard.engine.heal import PeerParts, cut
@@ -76,12 +73,3 @@ def cut_state(trainer: FedShardMixin, state: dict) -> PeerParts:
     model = trainer.fed_callback.averager.model
     parts = cut(state["averager"], model_state_shapes(model), model_state_addresses(model))
     return dataclasses.replace(parts, state={**state, "averager": parts.state})
-
-
-def resume_folder(state: dict) -> str:
-    """A temporary folder with the peer's ``trainer_state.json``, for Trainer's resume (global step, data skip)."""
-    folder = tempfile.mkdtemp(prefix="hf_fedshard-heal-")
-    trainer_state = {**state["trainer"], "stateful_callbacks": {}}
-    with open(os.path.join(folder, TRAINER_STATE_NAME), "w") as f:
-        json.dump(trainer_state, f)
-    return folder

@@ -17,22 +17,22 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import Trainer
 from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerCallback
-from transformers.trainer_utils import has_length
+from transformers.trainer_utils import get_last_checkpoint, has_length
 
 from hf_fedshard.checkpointing.checkpoint import (
     check_resumable,
     check_tokenizer_matches,
     latest_complete_checkpoint,
-    read_layout_record,
     tokenizer_fingerprint,
 )
-from hf_fedshard.checkpointing.reshard import DataPosition, LayoutChange, checkpoint_step, layout_change
+from hf_fedshard.checkpointing.reshard import DataPosition
 from hf_fedshard.checkpointing.resume import ResumeSettings, resumable_checkpoint
 from hf_fedshard.engine import FederationCommunicator
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.arguments import FedShardTrainingArguments
 from hf_fedshard.integrations.callback import FedAvgCallback
 from hf_fedshard.integrations.card import TrainingClock
+from hf_fedshard.integrations.resume_source import ResumeSource, checkpoint_source
 from hf_fedshard.integrations.timeouts import explain_stalled_collectives
 from hf_fedshard.integrations.trainer_checkpoints import CheckpointMixin
 from hf_fedshard.integrations.trainer_data import DataMixin
@@ -69,6 +69,9 @@ class FedShardMixin(FederationMixin, CheckpointMixin, ReportingMixin, DataMixin,
         fed_mesh: the world `DeviceMesh` (`fed`, `dp_replicate`, `dp_shard`), or `None` without federation.
         fed_callback: the `FedAvgCallback`, or `None` with one group.
         fed_communicator: the cross-group collectives (`FederationCommunicator`), or `None` with one group.
+        fed_resume: where the run's state comes from, chosen once in `train`
+            (`hf_fedshard.integrations.resume_source`: a checkpoint of this layout or another, a live peer's), or
+            `None` for a run that starts afresh.
 
     Checkpoints of a federated run hold every group's own shards, are published atomically and resume exactly
     (see `hf_fedshard.checkpointing.checkpoint` and docs/fault_tolerance.md); `save_model` exports the averaged
@@ -81,13 +84,11 @@ class FedShardMixin(FederationMixin, CheckpointMixin, ReportingMixin, DataMixin,
         self.fed_callback: FedAvgCallback | None = None
         self.fed_communicator: FederationCommunicator | None = None
         self.fed_federation: Federation | None = None
-        self._peer_state: dict | None = None  # a live peer's state this group healed from, until training takes it
+        self.fed_resume: ResumeSource | None = None  # where this run's state comes from (set by train)
         self._card_kwargs: dict[str, Any] = {}
         self._group_eval: tuple[int, dict[str, float]] | None = None  # (step, metrics) of the last group eval
-        self._layout_change: LayoutChange | None = None  # the checkpoint being resumed was written on another layout
         self._data_arithmetic: dict[str, int] = {}  # samples_per_step, steps_per_epoch: fed_layout.json records them
         self._batches_per_epoch: int | None = None  # Trainer's steps_in_epoch (each rank's batches), if it has one
-        self._resume_record: tuple[dict, int] | None = None  # the resumed checkpoint's fed_layout.json and step
         self._resumed_position: DataPosition | None = None  # where the data resumes (the record's, not the step's)
         self._last_loss = torch.tensor(math.nan)  # a step this group does not train logs its last trained loss
         super().__init__(*args, **kwargs)
@@ -126,44 +127,62 @@ class FedShardMixin(FederationMixin, CheckpointMixin, ReportingMixin, DataMixin,
     def train(
         self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None, **kwargs
     ):
-        # Refuse bad input, then resume from a checkpoint that verifies (fed_auto_resume, True: the newest one).
+        # Refuse bad input, then choose where the run's state comes from: a checkpoint that verifies (fed_auto_resume,
+        # True: the newest one), or a live peer's state if this group joins the federation behind the others.
         if self.args.fed_requested and has_length(self.train_dataset):
             self.args.check_train_dataset_size(len(self.train_dataset))
         if self.args.fed_requested:  # beside Trainer's "Total train batch size" (the world's), at the default level
             notice("%s; %s", self.fed_layout.describe(), self._batch_arithmetic())
-        auto = resume_from_checkpoint is None and self.args.fed_auto_resume
-        self._layout_change, self._resume_record, self._resumed_position = None, None, None
-        layout = self.args.fed_launch_layout  # what a checkpoint holds: this job's groups (torchft: its one group)
-        if self.fed_callback is not None:
-            run = ResumeSettings(self.args.output_dir, self.args.fed_auto_resume,
-                                 self.args.fed_launch.groups_publish_apart, self.args.process_index,
-                                 self.args.should_save)  # fmt: skip
-            resume_from_checkpoint = resumable_checkpoint(resume_from_checkpoint, run, layout, self.model)
-        elif auto:
-            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
-        if isinstance(resume_from_checkpoint, str):
-            check_resumable(resume_from_checkpoint, layout, self.model)  # one group refuses federated ones
-            check_tokenizer_matches(resume_from_checkpoint, tokenizer_fingerprint(self.processing_class))
-            if self.fed_callback is not None and (saved := read_layout_record(resume_from_checkpoint)) is not None:
-                self._resume_record = (saved, checkpoint_step(resume_from_checkpoint))
-                self._layout_change = layout_change(resume_from_checkpoint, layout)
-            self._check_layout_change(resume_from_checkpoint)
-            if auto and self.args.should_log:
-                logger.warning("hf_fedshard: fed_auto_resume: resuming from %s", resume_from_checkpoint)
+        checkpoint = self._verified_checkpoint(resume_from_checkpoint)
+        self.fed_resume = None
+        if self.fed_callback is not None and checkpoint is not None:
+            layout, rank = self.args.fed_launch_layout, self.args.process_index
+            self.fed_resume = checkpoint_source(checkpoint, layout, self._group_index, rank)
+            self.fed_resume.check(self.args.max_steps)
         if self.fed_federation is not None:
-            resume_from_checkpoint = self._join_federation(resume_from_checkpoint)
+            self.fed_resume = self._join_federation(self.fed_resume)
         try:
             with explain_stalled_collectives(lambda: self.state.global_step, self.args.ddp_timeout):
-                output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+                # a federated run's source reaches Trainer's loop in _inner_training_loop, not as a folder
+                output = super().train(
+                    checkpoint if self.fed_callback is None else None, trial, ignore_keys_for_eval, **kwargs
+                )
         finally:
             if self.fed_federation is not None:
                 self.fed_federation.shutdown()
         self._say_groups_apart_at_the_end()
         return output
 
-    # ---- Resuming on another layout ----
+    def _verified_checkpoint(self, requested: str | bool | None) -> str | None:
+        """The checkpoint this run resumes from, checked: of this model, format and tokenizer, and (federated) one
+        that verifies against its manifest; ``None`` to start afresh."""
+        layout = self.args.fed_launch_layout  # what a checkpoint holds: this job's groups (torchft: its one group)
+        auto = requested is None and self.args.fed_auto_resume
+        if self.fed_callback is not None:
+            run = ResumeSettings(self.args.output_dir, self.args.fed_auto_resume,
+                                 self.args.fed_launch.groups_publish_apart, self.args.process_index,
+                                 self.args.should_save)  # fmt: skip
+            requested = resumable_checkpoint(requested, run, layout, self.model)
+        elif auto:
+            requested = latest_complete_checkpoint(self.args.output_dir)
+        if requested is True:  # Trainer's meaning: the newest checkpoint of output_dir
+            requested = get_last_checkpoint(self.args.output_dir)
+            if requested is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        if not isinstance(requested, str):
+            return None
+        check_resumable(requested, layout, self.model, self.fed_callback is not None)  # one group: no federated one
+        check_tokenizer_matches(requested, tokenizer_fingerprint(self.processing_class))
+        if auto and self.args.should_log:
+            logger.warning("hf_fedshard: fed_auto_resume: resuming from %s", requested)
+        return requested
 
-    # ---- Joining the federation: its transport, and groups that join and leave ----
+    def _inner_training_loop(self, *args: Any, **kwargs: Any):
+        # Trainer.train reads a resume's trainer_state.json from a folder before this; a live peer sends its own, so
+        # a federated run's ResumeSource is handed to the loop here, whose loading hooks take it.
+        if self.fed_resume is not None:
+            kwargs["resume_from_checkpoint"] = self.fed_resume
+        return super()._inner_training_loop(*args, **kwargs)
 
 
 class FedShardTrainer(FedShardMixin, Trainer):

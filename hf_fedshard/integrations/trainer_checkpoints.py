@@ -1,7 +1,8 @@
 """Federated checkpoints: save, load, resume on another layout, and the exported global model (the Trainer's side).
 
-`CheckpointMixin` writes each group's own shards into a staging folder renamed once every rank is done, reads them
-back (or, on another layout, the checkpoint's global model resharded), and exports the averaged model in the Hugging
+`CheckpointMixin` writes each group's own shards into a staging folder renamed once every rank is done, loads a run's
+state from its `hf_fedshard.integrations.resume_source.ResumeSource` (a checkpoint of this layout or another, or a
+live peer's), and exports the averaged model in the Hugging
 Face format. One of the parts of `hf_fedshard.integrations.trainer.FedShardMixin`.
 """
 
@@ -19,52 +20,25 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
-from hf_fedshard.checkpointing.averaging_state import load_averaging_state, save_averaging_state
+from hf_fedshard.checkpointing.averaging_state import save_averaging_state
 from hf_fedshard.checkpointing.checkpoint import (
     atomic_checkpoint,
     group_dir,
-    load_group_model,
-    load_group_optimizer,
-    reading,
     save_group_model,
     save_group_optimizer,
     tokenizer_fingerprint,
     write_layout_record,
 )
-from hf_fedshard.checkpointing.reshard import (
-    layout_change,
-    load_global_model,
-    load_mean_optimizer,
-    load_resharded_averaging_state,
-)
 from hf_fedshard.checkpointing.resume import load_on_every_rank
-from hf_fedshard.engine.payload import all_finite, load_model_state, model_state_tensors
-from hf_fedshard.errors import ConfigError
+from hf_fedshard.engine.payload import all_finite, model_state_tensors
 from hf_fedshard.integrations.file_modes import follow_umask
+from hf_fedshard.integrations.resume_source import ResumeSource, checkpoint_source
 
 logger = logging.getLogger(__name__)
 
 
 class CheckpointMixin(Trainer):
     """Each group's own shards saved and loaded, atomically; the global model exported."""
-
-    def _check_layout_change(self, checkpoint: str) -> None:
-        """Refuse, on every rank alike, a layout change this run cannot honour."""
-        change = self._layout_change
-        if change is None:
-            return
-        if self.args.fed_launch.groups_publish_apart:
-            raise ConfigError(
-                f"resume_from_checkpoint={checkpoint} was written on {change.old_layout()}, but fed_transport "
-                f"{self.args.fed_transport} resumes a group's checkpoint only on its own group size. Relaunch the "
-                f"group on {change.saved['world_size']} ranks, or resume it with fed_transport mesh."
-            )
-        if self.args.max_steps <= 0:
-            raise ConfigError(
-                f"resume_from_checkpoint={checkpoint} was written on {change.old_layout()} and this run is "
-                f"{change.new_layout()}: a layout change keeps counting optimizer steps, so it needs --max_steps "
-                "(the schedule's length; epochs would change it with the world batch). Pass --max_steps."
-            )
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         # Trainer's FSDP save runs DCP over the world, where groups would write the same keys, and in place:
@@ -141,7 +115,7 @@ class CheckpointMixin(Trainer):
 
     def _save_trainer_state(self, checkpoint: str) -> None:
         """``trainer_state.json`` with the stateful callbacks, as Trainer writes it (the last file of a checkpoint).
-        A group healed from a peer holds none yet (`integrations.elastic.resume_folder` leaves the peer's out)."""
+        A group healed from a live peer holds none yet (`integrations.resume_source.LivePeer` leaves the peer's out)."""
         for cb in [cb for cb in [*self.callback_handler.callbacks, self.control] if isinstance(cb, ExportableState)]:
             name, cb_state = cb.__class__.__name__, cb.state()
             if isinstance(self.state.stateful_callbacks.get(name), list):
@@ -159,62 +133,49 @@ class CheckpointMixin(Trainer):
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        # Each rank reads its own group's shards and FedAvg counters; every rank learns of any rank's failure.
-        if self.fed_callback is None:
+    def _load_from_checkpoint(self, resume_from_checkpoint: Any, model: nn.Module | None = None) -> None:
+        # A federated run loads from its ResumeSource (this group's shards, another layout's resharded, a live
+        # peer's); every rank learns of any rank's failure to read.
+        if not isinstance(resume_from_checkpoint, ResumeSource):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        if self._peer_state is not None:  # a heal: the peer's global model and averaging state, from memory
-            load_model_state(model or self.model, self._peer_state["averager"]["model"])
-            return self.fed_callback.load_state_dict(self._peer_state["averager"]["averager"])
-        load_on_every_rank(resume_from_checkpoint, lambda: self._load_federated_state(resume_from_checkpoint, model))
+        source, model = resume_from_checkpoint, model or self.model
 
-    def _load_federated_state(self, checkpoint: str, model: nn.Module | None) -> None:
-        """This rank's model shards and averaging state (`_save_federated_state`'s), or on another layout the
-        checkpoint's global model and averaging state resharded (`hf_fedshard.checkpointing.reshard`)."""
-        model = model or self.model
-        if self._layout_change is not None:
-            load_global_model(model, self._layout_change, self._group_pg)
-            state = load_resharded_averaging_state(self._layout_change, model, self._group_pg)
-            return self.fed_callback.load_state_dict(state)
-        group = group_dir(checkpoint, self._group_index)
-        load_group_model(model, os.path.join(group, "model"), self._group_pg)
-        layout = self.args.fed_launch_layout
-        state = load_averaging_state(checkpoint, layout, self.args.process_index, model, self._group_pg)
-        self.fed_callback.load_state_dict(state)
+        def load() -> None:
+            source.load_model(model, self._group_pg)
+            self.fed_callback.load_state_dict(source.averaging_state(model, self._group_pg))
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        # Each group reads its own optimizer state; a save_only_model checkpoint has none, as with Trainer.
-        if self.fed_callback is None or checkpoint is None:
+        load_on_every_rank(str(source), load)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        # Each group reads its own optimizer state from its ResumeSource (a live peer's: none, it starts afresh).
+        if not isinstance(checkpoint, ResumeSource):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if self._peer_state is not None:  # a heal: the peer's schedule; the inner optimizer starts afresh
-            self.lr_scheduler.load_state_dict(self._peer_state["scheduler"])
-            self._peer_state = None
-            return
-        group = 0 if self._layout_change is not None else self._group_index  # another layout: group 0 is there
-        directory = os.path.join(group_dir(checkpoint, group), "optimizer")
-        if not os.path.isdir(directory):
-            return
-        load_on_every_rank(checkpoint, lambda: self._load_group_optimizer_and_scheduler(checkpoint, directory))
 
-    def _load_group_optimizer_and_scheduler(self, checkpoint: str, directory: str) -> None:
-        if self._layout_change is not None:
-            load_mean_optimizer(self.model, self.optimizer, self._layout_change, self._group_pg)
-        else:
-            load_group_optimizer(self.model, self.optimizer, directory, self._group_pg)
-        path = os.path.join(checkpoint, SCHEDULER_NAME)
-        with reading(path):
-            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+        def load() -> None:
+            checkpoint.load_optimizer(self.model, self.optimizer, self._group_pg)
+            if (schedule := checkpoint.scheduler_state()) is not None:
+                self.lr_scheduler.load_state_dict(schedule)
+
+        load_on_every_rank(str(checkpoint), load)
+
+    def _load_scaler(self, checkpoint: Any) -> None:
+        # Trainer reads the scaler's state from a checkpoint's folder; a live peer has none.
+        super()._load_scaler(checkpoint.folder if isinstance(checkpoint, ResumeSource) else checkpoint)
+
+    def _load_rng_state(self, checkpoint: Any) -> None:
+        # Trainer reads the RNG states from a checkpoint's folder; a live peer has none.
+        super()._load_rng_state(checkpoint.folder if isinstance(checkpoint, ResumeSource) else checkpoint)
 
     def _load_best_model(self) -> None:
-        # The best checkpoint holds one copy per group: each group reloads its own.
+        # The best checkpoint holds one copy per group: each group reloads its own (written on another layout: its
+        # global model, resharded).
         if self.fed_callback is None:
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
-        change = layout_change(best, self.args.fed_launch_layout)  # written before a layout change: its global model
-        if change is not None:
-            load_global_model(self.model, change, self._group_pg)
-        else:
-            load_group_model(self.model, os.path.join(group_dir(best, self._group_index), "model"), self._group_pg)
+        layout = self.args.fed_launch_layout
+        checkpoint_source(best, layout, self._group_index, self.args.process_index).load_model(
+            self.model, self._group_pg
+        )
         self.fed_callback.averager.adopt_plain_average()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -1,8 +1,9 @@
 """What each group reads, and where it resumes reading (the Trainer's side).
 
 `DataMixin` gives each group its slice of every epoch (a launch per group reads what its ranks would read in one
-job), records a step's data arithmetic for the checkpoint's ``fed_layout.json``, and after a layout change resumes
-from the samples read rather than the step. One of the parts of `hf_fedshard.integrations.trainer.FedShardMixin`.
+job), records a step's data arithmetic for the checkpoint's ``fed_layout.json``, and resumes where the run's source
+places the data (after a layout change: the samples read rather than the step). One of the parts of
+`hf_fedshard.integrations.trainer.FedShardMixin`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 from transformers import Trainer
 from transformers.trainer_utils import has_length
 
-from hf_fedshard.checkpointing.reshard import data_position, global_model_source, mean_of_old_groups
 from hf_fedshard.integrations.fsdp import world_data_view
+from hf_fedshard.integrations.resume_source import ResumeSource
 
 logger = logging.getLogger(__name__)
 
@@ -44,39 +45,46 @@ class DataMixin(Trainer):
         return dataloader
 
     def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
-        # Record a step's data arithmetic for fed_layout.json; resume where the record says the data was (after a
-        # layout change the step no longer tells the epoch), with enough epochs to reach max_steps.
+        # Record a step's data arithmetic for fed_layout.json; resume where the run's source says the data was (after
+        # a layout change the step no longer tells the epoch), with enough epochs to reach max_steps.
         values = super().set_initial_training_values(args, dataloader)
         _, steps_per_epoch, _, _, total_batch, batches_per_epoch, max_steps = values
         self._data_arithmetic = {"samples_per_step": int(total_batch), "steps_per_epoch": int(steps_per_epoch)}
         self._batches_per_epoch = batches_per_epoch if has_length(dataloader) else None
-        record = self._resume_record
-        if record is None or self._batches_per_epoch is None:
+        source, self._resumed_position = self.fed_resume, None
+        if source is None or self._batches_per_epoch is None:
             return values
-        saved, step = record
-        if "epoch_samples" not in saved and self._layout_change is None:
-            return values  # a run that never changed layout: Trainer's own arithmetic holds
-        position = data_position(saved, step, int(total_batch), int(steps_per_epoch))
+        position = source.data_position(int(total_batch), int(steps_per_epoch))
+        if position is None:
+            return values
         self._resumed_position = position
         left_in_epoch = steps_per_epoch - position.steps
-        more = math.ceil(max(0, max_steps - step - left_in_epoch) / steps_per_epoch)
+        more = math.ceil(max(0, max_steps - source.step - left_in_epoch) / steps_per_epoch)
         return (position.epoch + 1 + more, *values[1:])
 
-    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        # On another layout the data position follows the samples read, not the step (checkpointing.reshard).
-        epochs_trained, steps_trained = super()._init_training_state(*args, **kwargs)
-        change, position = self._layout_change, self._resumed_position
+    def _init_training_state(
+        self, max_steps: int, steps_per_epoch: int, num_train_epochs: int, resume_from_checkpoint: Any, trial: Any
+    ) -> tuple[int, int]:
+        # A federated run starts from its ResumeSource: Trainer reads a checkpoint's trainer_state.json from its
+        # folder, a live peer sends its own; the data position is the source's where it places it.
+        source = resume_from_checkpoint if isinstance(resume_from_checkpoint, ResumeSource) else None
+        folder = resume_from_checkpoint if source is None else source.folder
+        epochs_trained, steps_trained = super()._init_training_state(
+            max_steps, steps_per_epoch, num_train_epochs, folder, trial
+        )
+        if source is None:
+            return epochs_trained, steps_trained
+        if (state := source.trainer_state()) is not None:  # Trainer's own arithmetic, on the sent state
+            self.state = state
+            self.state.init_training_references(self, max_steps, num_train_epochs, trial)
+            epochs_trained, steps = divmod(state.global_step, steps_per_epoch)
+            steps_trained = 0 if self.args.ignore_data_skip else steps * self.args.gradient_accumulation_steps
+        position = self._resumed_position
+        line = source.start_line(position, self._data_arithmetic["samples_per_step"])
+        if line is not None and self.args.should_log:
+            logger.warning(line)
         if position is None:
             return epochs_trained, steps_trained
-        if change is not None and self.args.should_log:
-            logger.warning(
-                "hf_fedshard: resuming step %d of %s on %s: the model is %s; the anchor and outer momentum are the "
-                "checkpoint's, resharded; the inner optimizer's moments are %s, resharded; "
-                "an exchange in flight (if any) is dropped; the world batch goes from %d to %d samples per step; %s.",
-                change.step, change.old_layout(), change.new_layout(), global_model_source(change),
-                mean_of_old_groups(change),
-                change.saved["samples_per_step"], self._data_arithmetic["samples_per_step"], position.describe(),
-            )  # fmt: skip
         if self.args.ignore_data_skip:  # as Trainer: the resumed epoch starts from its beginning
             return position.epoch, 0
         return position.epoch, position.steps * self.args.gradient_accumulation_steps

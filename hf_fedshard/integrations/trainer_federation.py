@@ -1,5 +1,6 @@
 """Joining the federation (the Trainer's side): the transport's federation built from the arguments, met before
-training, and the heal of a group that starts behind the others.
+training, where a group that starts behind the others takes a live peer's state as its resume source
+(`hf_fedshard.integrations.resume_source.LivePeer`).
 
 `FederationMixin` reaches a transport only through `hf_fedshard.transports` (its registry and `FederationRequest`).
 One of the parts of `hf_fedshard.integrations.trainer.FedShardMixin`.
@@ -12,10 +13,10 @@ import logging
 import torch
 from transformers import Trainer
 
-from hf_fedshard.checkpointing.averaging_state import read_counters
 from hf_fedshard.engine.rounds import HealState
 from hf_fedshard.integrations.arguments import FedShardArgumentsMixin
-from hf_fedshard.integrations.elastic import cut_state, federation_fingerprint, register_heal_parts, resume_folder
+from hf_fedshard.integrations.elastic import cut_state, federation_fingerprint, register_heal_parts
+from hf_fedshard.integrations.resume_source import LivePeer, ResumeSource
 from hf_fedshard.transports import Federation, FederationRequest, get_transport
 
 logger = logging.getLogger(__name__)
@@ -43,26 +44,13 @@ class FederationMixin(Trainer):
         )  # fmt: skip
         return get_transport(args.fed_transport).build(request)
 
-    def _join_federation(self, checkpoint: str | None) -> str | None:
+    def _join_federation(self, source: ResumeSource | None) -> ResumeSource | None:
         """Meet the other groups before training (`Federation.join`): where groups come and go, a group behind the
-        others resumes from a live peer's committed state (a temporary folder holds its trainer_state.json), one level
-        with them from ``checkpoint`` or afresh."""
-        syncs = 0
-        if checkpoint is not None and self._layout_change is None:  # the averagings this group's checkpoint holds
-            syncs = read_counters(checkpoint, self._group_index, self.args.process_index)["syncs"]
-        self.fed_federation.join(int(syncs))
+        others starts from a live peer's committed state instead of ``source`` (a checkpoint, or ``None``: afresh)."""
+        self.fed_federation.join(source.averagings if source is not None else 0)
         membership = self.fed_communicator.membership
-        self._peer_state = (membership.heal.take() or None) if membership is not None else None
-        if self._peer_state is None:
-            return checkpoint
-        folder = resume_folder(self._peer_state)
-        if self.args.should_log:
-            logger.warning(
-                "hf_fedshard: fed_group%d healed from a live group: resuming at step %d (its last averaging) with the "
-                "global model, its anchors and outer state; the inner optimizer starts afresh.",
-                self.args.fed_launch.group_id, self._peer_state["trainer"]["global_step"],
-            )  # fmt: skip
-        return folder
+        peer = membership.heal.take() if membership is not None else {}
+        return LivePeer(peer, self.args.fed_launch.group_id) if peer else source
 
     def _check_peer_step(self, trainer_state: dict) -> None:
         """A heal during training (this group lost a round the others committed): the peer's state must be of this

@@ -9,6 +9,7 @@ engine's rounds on a fake membership) is tests/unit/test_elastic.py.
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import time
 
@@ -17,6 +18,7 @@ import torch
 
 from ..asserts import labelled
 from ..launch import finish, lighthouse, start_group, train_groups, train_tiny
+from .test_reliability import read_dcp
 
 TINY = ["--num_samples", "128"]
 H4_10_STEPS = [*TINY, "--max_steps", "10", "--fed_sync_steps", "4"]
@@ -184,16 +186,24 @@ def test_a_lost_lighthouse_ends_every_group_at_its_next_averaging_with_nothing_h
         assert leftovers == [], leftovers
 
 
-@pytest.mark.timeout(600)
-def test_a_restart_of_every_group_resumes_from_the_newest_step_they_all_have(tmp_path, one_job_h4):
+@pytest.mark.timeout(900)
+def test_a_restart_of_every_group_resumes_from_the_newest_step_they_all_have_then_on_another_group_size(
+    tmp_path, one_job_h4
+):
     """2 groups × 2 ranks checkpoint every 4 steps to step 8; group 1's checkpoint-8 is lost. Restarted with
     fed_auto_resume to step 10, both resume from checkpoint-4 (the newest both have), no group heals, and step 10
-    (two averagings after the resume) equals one uninterrupted job to the bit (the module's, which saves nothing)."""
+    (two averagings after the resume) equals one uninterrupted job to the bit (the module's, which saves nothing).
+    Restarted again on 1 rank per group, each group resumes its checkpoint-10 (written right after the final
+    averaging) resharded, as mesh does: its model and anchor bit for bit, the data after the 40 samples its group
+    read."""
     saves = ["--save_strategy", "steps", "--save_steps", "4"]
+    out = tmp_path / "ft"
     with lighthouse(min_groups=2) as address:
-        train_groups(2, 2, tmp_path / "ft", [*TINY, "--fed_sync_steps", "4", *saves, "--max_steps", "8"], address)
-        shutil.rmtree(tmp_path / "ft" / "fed_group1" / "checkpoint-8")
-        resumed = train_groups(2, 2, tmp_path / "ft", [*H4_10_STEPS, *saves, "--fed_auto_resume", "true"], address)
+        train_groups(2, 2, out, [*TINY, "--fed_sync_steps", "4", *saves, "--max_steps", "8"], address)
+        shutil.rmtree(out / "fed_group1" / "checkpoint-8")
+        resumed = train_groups(2, 2, out, [*H4_10_STEPS, *saves, "--fed_auto_resume", "true"], address)
+        again = [*TINY, "--fed_sync_steps", "4", *saves, "--max_steps", "14", "--fed_auto_resume", "true"]
+        resized = train_groups(2, 1, out, [*again, "--record_resume", "true"], address)
     mesh = one_job_h4
     for g in range(2):
         for r in range(2):
@@ -203,3 +213,14 @@ def test_a_restart_of_every_group_resumes_from_the_newest_step_they_all_have(tmp
                 torch.testing.assert_close(
                     value, mesh[2 * g + r]["local_params"][name], rtol=0, atol=0, msg=labelled(f"{g}/{r} {name}")
                 )
+    for g, (run,) in enumerate(resized):
+        checkpoint = out / f"fed_group{g}" / "checkpoint-10"
+        model = read_dcp(checkpoint / "fed_group0" / "model", tmp_path)["model"]
+        anchor = read_dcp(checkpoint / "fed_outer", tmp_path)["anchor"]
+        assert run["resumed"]["step"] == 10 and run["log_history"][-3]["fed_heals"] == 0
+        for name, value in run["resumed"]["params"].items():
+            assert torch.equal(value, model[name]) and torch.equal(run["resumed"]["anchor"][name], anchor[name]), name
+        line = re.search(r"hf_fedshard: resuming step 10 of (.*)", run["stdout"]).group(1)
+        assert "world batch goes from 4 to 2 samples per step; epoch 0 resumes after its first 40 samples" in line
+    for name, value in resized[0][0]["full_params"].items():  # the resized groups end on one global model
+        assert torch.equal(value, resized[1][0]["full_params"][name]), name

@@ -84,7 +84,7 @@ def test_resuming_elsewhere_fails_with_one_line(
 ):
     checkpoint = saved_checkpoint(tmp_path, saved_layout, llama(saved_hidden), data=False)
     with pytest.raises(ConfigError, match=rf"^resume_from_checkpoint={checkpoint} {message}") as err:
-        check_resumable(checkpoint, run_layout, llama(run_hidden))
+        check_resumable(checkpoint, run_layout, llama(run_hidden), run_layout.federated)
     assert "\n" not in str(err.value), case
 
 
@@ -115,12 +115,12 @@ def test_a_checkpoint_trained_with_another_tokenizer_is_refused(tmp_path):
 def test_same_layout_and_model_resume(tmp_path):
     checkpoint = saved_checkpoint(tmp_path, FL_FSDP_4, llama())
     assert json.loads((tmp_path / "fed_layout.json").read_text())["format"] == FORMAT_VERSION
-    check_resumable(checkpoint, FL_FSDP_4, llama())
+    check_resumable(checkpoint, FL_FSDP_4, llama(), federated=True)
 
 
 @pytest.mark.parametrize("run_layout", [FederationLayout(2, 1), FederationLayout(8, 4, 2), FederationLayout(6, 2)])
 def test_a_checkpoint_resumes_on_another_layout(tmp_path, run_layout):
-    check_resumable(saved_checkpoint(tmp_path, FL_FSDP_4, llama()), run_layout, llama())
+    check_resumable(saved_checkpoint(tmp_path, FL_FSDP_4, llama()), run_layout, llama(), federated=True)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +138,9 @@ def test_a_checkpoint_without_a_format_or_of_another_is_refused_in_one_line(tmp_
         r"or start without resume_from_checkpoint\.$"
     )
     with pytest.raises(ConfigError, match=message) as err:
-        check_resumable(checkpoint, run_layout, llama(64))  # another model too: the format is checked first
+        check_resumable(
+            checkpoint, run_layout, llama(64), run_layout.federated
+        )  # another model too: the format is checked first
     assert "\n" not in str(err.value)
 
 
@@ -158,16 +160,25 @@ def test_the_resume_refuses_another_format_on_each_rank_before_any_collective(tm
 def test_another_layout_still_needs_the_same_model_and_a_federation(tmp_path):
     checkpoint = saved_checkpoint(tmp_path, FL_FSDP_4, llama())
     with pytest.raises(ConfigError, match=r"holds a different model: llama with"):
-        check_resumable(checkpoint, FederationLayout(2, 1), llama(64))
+        check_resumable(checkpoint, FederationLayout(2, 1), llama(64), federated=True)
     one_group = r"on WORLD_SIZE=2, and one group \(no federation\) does not resume a federated checkpoint\. Relaunch"
     with pytest.raises(ConfigError, match=one_group):
-        check_resumable(checkpoint, FederationLayout(2, 2), llama())
+        check_resumable(checkpoint, FederationLayout(2, 2), llama(), federated=False)
+
+
+def test_a_torchft_groups_checkpoint_resumes_on_another_group_size(tmp_path):
+    """A launch per group holds one group: its checkpoint (2 ranks) resumes on 1 rank as one of a federation, and
+    the same launch without federation refuses it."""
+    checkpoint = saved_checkpoint(tmp_path, FederationLayout(2, 2), llama())
+    check_resumable(checkpoint, FederationLayout(1, 1), llama(), federated=True)
+    with pytest.raises(ConfigError, match=r"one group \(no federation\) does not resume a federated checkpoint"):
+        check_resumable(checkpoint, FederationLayout(1, 1), llama(), federated=False)
 
 
 def test_a_plain_trainer_checkpoint_is_refused(tmp_path):
     (tmp_path / "trainer_state.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"has no fed_layout\.json: it was not written by a federated"):
-        check_resumable(str(tmp_path), FL_FSDP_4, llama())
+        check_resumable(str(tmp_path), FL_FSDP_4, llama(), federated=True)
 
 
 def test_latest_complete_checkpoint_skips_partial_ones(tmp_path):

@@ -6,6 +6,7 @@ The data arithmetic is pinned end to end in process: `data_position` at the epoc
 left, the record's position rounded up), then what `FedShardTrainer` hands Trainer from it: the batches Trainer
 skips in the resumed epoch (the new steps × gradient_accumulation_steps) and the epochs it runs to reach max_steps.
 An off-by-one in any of them reads a sample twice or skips a step's samples, which only the torchrun resumes saw.
+A live peer's state (a heal at launch) reaches the same hooks from memory, as the run's `ResumeSource`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerState
 
 from hf_fedshard import FederatedAverager
 from hf_fedshard.checkpointing.reshard import DataPosition, data_position
 from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat
+from hf_fedshard.integrations.elastic import trainer_state_now
+from hf_fedshard.integrations.resume_source import GroupCheckpoint, LivePeer
 from hf_fedshard.integrations.trainer import FedShardTrainer
 
 from ..fake_communicator import run_federation
@@ -58,13 +61,13 @@ def test_a_recorded_epoch_position_wins_over_the_step():
 def resuming_trainer(
     record: dict, step: int, gradient_accumulation_steps: int = 1, ignore_data_skip: bool = False
 ) -> FedShardTrainer:
-    """A `FedShardTrainer` with only what its data-position hooks read: a resume of ``record`` (``fed_layout.json``)
-    written at ``step``, onto another layout."""
+    """A `FedShardTrainer` with only what its data-position hooks read: its resume source (``fed_resume``), the
+    checkpoint of ``record`` (``fed_layout.json``, written after a layout change) at ``step``."""
     trainer = FedShardTrainer.__new__(FedShardTrainer)
     trainer.args = SimpleNamespace(
         gradient_accumulation_steps=gradient_accumulation_steps, should_log=False, ignore_data_skip=ignore_data_skip
     )
-    trainer._resume_record, trainer._layout_change, trainer._resumed_position = (record, step), None, None
+    trainer.fed_resume = GroupCheckpoint(f"checkpoint-{step}", record, step, layout=None, group_index=0, rank=0)
     return trainer
 
 
@@ -92,7 +95,7 @@ def test_trainer_skips_the_new_steps_batches_and_runs_the_epochs_that_reach_max_
     monkeypatch.setattr(Trainer, "_init_training_state", lambda self, *args, **kwargs: (99, 99))
     values = trainer.set_initial_training_values(trainer.args, list(range(batches)))
     assert values == (epochs, *plain[1:])
-    assert trainer._init_training_state(max_steps, 10, epochs, "checkpoint-2", None) == (0, 3 * accumulation)
+    assert trainer._init_training_state(max_steps, 10, epochs, trainer.fed_resume, None) == (0, 3 * accumulation)
 
 
 def test_outer_state_by_parameter_is_cut_at_this_averagers_fragments():
@@ -172,4 +175,24 @@ def test_ignore_data_skip_starts_the_resumed_epoch_from_its_beginning(monkeypatc
     monkeypatch.setattr(Trainer, "set_initial_training_values", lambda self, args, dataloader: plain)
     monkeypatch.setattr(Trainer, "_init_training_state", lambda self, *args, **kwargs: (99, 0))
     trainer.set_initial_training_values(trainer.args, list(range(40)))
-    assert trainer._init_training_state(20, 10, 3, "checkpoint-2", None) == (0, 0)
+    assert trainer._init_training_state(20, 10, 3, trainer.fed_resume, None) == (0, 0)
+
+
+def test_a_live_peers_trainer_state_comes_from_memory_and_places_the_data_from_its_step(monkeypatch):
+    """A group healing at launch resumes from a live peer's committed trainer state (`LivePeer`), with no folder for
+    Trainer to read: step 10 of 4 steps per epoch with 2 accumulation steps is epoch 2 with its first 2 steps'
+    4 batches skipped, as Trainer places a checkpoint's step; the state is the peer's but for its callbacks'."""
+    trainer = FedShardTrainer.__new__(FedShardTrainer)
+    trainer.args = SimpleNamespace(gradient_accumulation_steps=2, should_log=False, ignore_data_skip=False,
+                                   local_process_index=0, process_index=0)  # fmt: skip
+    trainer.hp_name, trainer._trial = None, None
+    peer = TrainerState(global_step=10, log_history=[{"loss": 1.5, "step": 10}], stateful_callbacks={"Cb": {"a": 1}})
+    trainer.fed_resume = LivePeer({"trainer": trainer_state_now(peer)}, group_id=1)
+    trainer._data_arithmetic, trainer._resumed_position = {"samples_per_step": 8}, None
+    folders = []
+    monkeypatch.setattr(Trainer, "_init_training_state", lambda self, *args: folders.append(args[3]) or (0, 0))
+    assert trainer._init_training_state(20, 4, 5, trainer.fed_resume, None) == (2, 4)
+    assert folders == [None]  # Trainer was given no folder to read
+    state = trainer.state
+    assert (state.global_step, state.log_history, state.stateful_callbacks) == (10, [{"loss": 1.5, "step": 10}], {})
+    assert (state.max_steps, state.num_train_epochs) == (20, 5)
