@@ -141,7 +141,7 @@ class UnequalQuorum:
 
     def configure(self) -> None:
         """After a new quorum: learn its groups (the first ranks' table), check them, join the process group over
-        their ranks, and heal the groups behind the others (`_heal`). A failure is reported to the Manager (this
+        their ranks, and heal the groups behind the others (`heal`). A failure is reported to the Manager (this
         round does not commit); two launches of one group, or settings that differ, are refused in one line."""
         from torchft.process_group import reconfigure_with_store
 
@@ -151,15 +151,7 @@ class UnequalQuorum:
             federation.manager.report_error(RuntimeError("the quorum's table of groups was not exchanged"))
             return
         order, steps, lineages = self._check(table)
-        offsets = [0]
-        for g in order:
-            offsets.append(offsets[-1] + self.layout.size_of(g))
-        self._shapes = tuple(
-            GroupShape(tuple(range(offsets[i], offsets[i + 1])), self.layout.shard_of(g)) for i, g in enumerate(order)
-        )
-        self._groups, self._index = tuple(order), order.index(federation.group_id)
-        self.world_rank = offsets[self._index] + dist.get_rank(federation.group)
-        self.world_size = offsets[-1]
+        self.arrange(order)
         try:  # alone in the quorum too: the control all-reduce and the HSDP replicas' pieces run over its ranks
             reconfigure_with_store(
                 self.pg, f"{store}/hf_fedshard_world", self.world_rank, self.world_size,
@@ -171,7 +163,20 @@ class UnequalQuorum:
         behind = [i for i, g in enumerate(order) if (int(steps[g]), int(lineages[g])) != target]
         if behind:
             source = next(i for i, g in enumerate(order) if (int(steps[g]), int(lineages[g])) == target)
-            self._heal(behind, source, *target)
+            self.heal(behind, source, *target)
+
+    def arrange(self, order: list[int]) -> None:
+        """Number the ranks of the quorum's groups (nominal ids, in quorum ``order``) group by group: each group's
+        shape, this group's index and this rank's place in the world over them."""
+        federation, offsets = self.federation, [0]
+        for g in order:
+            offsets.append(offsets[-1] + self.layout.size_of(g))
+        self._shapes = tuple(
+            GroupShape(tuple(range(offsets[i], offsets[i + 1])), self.layout.shard_of(g)) for i, g in enumerate(order)
+        )
+        self._groups, self._index = tuple(order), order.index(federation.group_id)
+        self.world_rank = offsets[self._index] + dist.get_rank(federation.group)
+        self.world_size = offsets[-1]
 
     def _exchange_table(self) -> tuple[torch.Tensor | None, str | None]:
         """The quorum's table (summed by the groups' first ranks over the Manager's process group), and the address
@@ -214,7 +219,7 @@ class UnequalQuorum:
                            table[-1].item(), "model, fed_* settings, fed_group_size list or batch")  # fmt: skip
         return sorted(present, key=lambda g: positions[g]), steps, lineages
 
-    def _heal(self, behind: list[int], source: int, averagings: int, lineage: int) -> None:
+    def heal(self, behind: list[int], source: int, averagings: int, lineage: int) -> None:
         """Copy group ``source``'s state (indices in the quorum; it holds the global model of ``averagings``
         averagings) onto the groups ``behind``: what every layout shares from its first rank, the tensors shard by
         shard (`hf_fedshard.engine.heal`). The other groups only take part in the collectives. A failure is

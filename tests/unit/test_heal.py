@@ -133,12 +133,13 @@ def test_a_heal_that_fails_is_raised_on_the_group_behind_and_left_reported_on_a_
         provide_parts=lambda: PeerParts({}, [], []), take_parts=None,
     )  # fmt: skip
     quorum = UnequalQuorum(federation, FederationLayout(3, (2, 1)))
-    quorum._shapes, quorum._groups = (GroupShape((0, 1), 2), GroupShape((2,), 1)), (0, 1)
-    quorum._index, quorum.world_rank, quorum.world_size = int(behind), 2 if behind else 0, 3
+    quorum.arrange([0, 1])
+    assert quorum.shapes() == (GroupShape((0, 1), 2), GroupShape((2,), 1)) and quorum.index() == int(behind)
+    assert (quorum.world_rank, quorum.world_size) == (2 if behind else 0, 3)
     if behind:
         with pytest.raises(RuntimeError, match=r"^hf_fedshard: fed_group1 could not heal from fed_group0 \(") as err:
-            quorum._heal([1], 0, 3, 0)
+            quorum.heal([1], 0, 3, 0)
         assert "Cause: Connection closed by peer" in str(err.value) and "\n" not in str(err.value)
     else:
-        quorum._heal([1], 0, 3, 0)
+        quorum.heal([1], 0, 3, 0)
     assert federation.heals == 0
