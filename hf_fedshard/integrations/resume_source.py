@@ -93,6 +93,11 @@ class ResumeSource(ABC):
         """The trainer state, where it does not come from ``folder``'s trainer_state.json (Trainer reads that)."""
         return None
 
+    def release(self) -> None:
+        """Drop what is loaded by now (Trainer's loop keeps the source to the end of training). A checkpoint holds
+        nothing in memory."""
+        return None
+
     def data_position(self, samples_per_step: int, steps_per_epoch: int) -> DataPosition | None:
         """Where the data resumes on this layout; ``None``: where Trainer puts it from the step."""
         return None
@@ -139,7 +144,7 @@ class GroupCheckpoint(ResumeSource):
             load_group_optimizer(model, optimizer, directory, group)
 
     def scheduler_state(self) -> dict | None:
-        return _saved_scheduler(self.folder)
+        return _saved_scheduler(self.folder, os.path.join(group_dir(self.folder, self.group_index), "optimizer"))
 
     def data_position(self, samples_per_step: int, steps_per_epoch: int) -> DataPosition | None:
         if self.record is None or "epoch_samples" not in self.record:
@@ -187,7 +192,7 @@ class ResizedCheckpoint(ResumeSource):
             load_mean_optimizer(model, optimizer, self.change, group)
 
     def scheduler_state(self) -> dict | None:
-        return _saved_scheduler(self.change.checkpoint)
+        return _saved_scheduler(self.change.checkpoint, os.path.join(group_dir(self.change.checkpoint, 0), "optimizer"))
 
     def data_position(self, samples_per_step: int, steps_per_epoch: int) -> DataPosition:
         return data_position(self.change.saved, self.change.step, samples_per_step, steps_per_epoch)
@@ -237,7 +242,14 @@ class LivePeer(ResumeSource):
         return self.state["scheduler"]
 
     def trainer_state(self) -> TrainerState:
-        return TrainerState(**{**self.state["trainer"], "stateful_callbacks": {}})  # its callbacks are its own
+        state = TrainerState(**{**self.state["trainer"], "stateful_callbacks": {}})  # its callbacks are its own
+        if state.best_model_checkpoint is not None and not os.path.isdir(state.best_model_checkpoint):
+            state.best_model_checkpoint = None  # as Trainer: the peer's best is not on this file system
+        return state
+
+    def release(self) -> None:
+        """The model, anchors, outer state and schedule are loaded: keep only the trainer state."""
+        self.state = {"trainer": self.state["trainer"]}
 
     def start_line(self, position: DataPosition | None, samples_per_step: int) -> str:
         return (
@@ -256,9 +268,10 @@ def checkpoint_source(folder: str, layout: FederationLayout, group_index: int, r
     return GroupCheckpoint(folder, read_layout_record(folder), checkpoint_step(folder), layout, group_index, rank)
 
 
-def _saved_scheduler(folder: str) -> dict | None:
-    path = os.path.join(folder, SCHEDULER_NAME)
-    if not os.path.isfile(path):
+def _saved_scheduler(folder: str, optimizer: str) -> dict | None:
+    """The schedule saved beside the ``optimizer`` folder (a save_only_model checkpoint has neither)."""
+    if not os.path.isdir(optimizer):
         return None
+    path = os.path.join(folder, SCHEDULER_NAME)
     with reading(path):
         return torch.load(path, weights_only=True)

@@ -157,6 +157,7 @@ class CheckpointMixin(Trainer):
                 self.lr_scheduler.load_state_dict(schedule)
 
         load_on_every_rank(str(checkpoint), load)
+        checkpoint.release()  # Trainer loads nothing more from it that it holds in memory
 
     def _load_scaler(self, checkpoint: Any) -> None:
         # Trainer reads the scaler's state from a checkpoint's folder; a live peer has none.
@@ -172,10 +173,8 @@ class CheckpointMixin(Trainer):
         if self.fed_callback is None:
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
-        layout = self.args.fed_launch_layout
-        checkpoint_source(best, layout, self._group_index, self.args.process_index).load_model(
-            self.model, self._group_pg
-        )
+        source = checkpoint_source(best, self.args.fed_launch_layout, self._group_index, self.args.process_index)
+        source.load_model(self.model, self._group_pg)
         self.fed_callback.averager.adopt_plain_average()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -80,8 +80,8 @@ class DataMixin(Trainer):
             epochs_trained, steps = divmod(state.global_step, steps_per_epoch)
             steps_trained = 0 if self.args.ignore_data_skip else steps * self.args.gradient_accumulation_steps
         position = self._resumed_position
-        line = source.start_line(position, self._data_arithmetic["samples_per_step"])
-        if line is not None and self.args.should_log:
+        line = source.start_line(position, self._data_arithmetic["samples_per_step"]) if self.args.should_log else None
+        if line is not None:
             logger.warning(line)
         if position is None:
             return epochs_trained, steps_trained

@@ -18,6 +18,7 @@ import torch
 from transformers import Trainer, TrainerState
 
 from hf_fedshard import FederatedAverager
+from hf_fedshard.checkpointing.checkpoint import CheckpointReadError
 from hf_fedshard.checkpointing.reshard import DataPosition, data_position
 from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat
 from hf_fedshard.integrations.elastic import trainer_state_now
@@ -186,8 +187,9 @@ def test_a_live_peers_trainer_state_comes_from_memory_and_places_the_data_from_i
     trainer.args = SimpleNamespace(gradient_accumulation_steps=2, should_log=False, ignore_data_skip=False,
                                    local_process_index=0, process_index=0)  # fmt: skip
     trainer.hp_name, trainer._trial = None, None
-    peer = TrainerState(global_step=10, log_history=[{"loss": 1.5, "step": 10}], stateful_callbacks={"Cb": {"a": 1}})
-    trainer.fed_resume = LivePeer({"trainer": trainer_state_now(peer)}, group_id=1)
+    peer = TrainerState(global_step=10, log_history=[{"loss": 1.5, "step": 10}], stateful_callbacks={"Cb": {"a": 1}},
+                        best_model_checkpoint="/not/here/fed_group0/checkpoint-8")  # fmt: skip
+    trainer.fed_resume = LivePeer({"trainer": trainer_state_now(peer), "averager": {}, "scheduler": {}}, group_id=1)
     trainer._data_arithmetic, trainer._resumed_position = {"samples_per_step": 8}, None
     folders = []
     monkeypatch.setattr(Trainer, "_init_training_state", lambda self, *args: folders.append(args[3]) or (0, 0))
@@ -196,3 +198,16 @@ def test_a_live_peers_trainer_state_comes_from_memory_and_places_the_data_from_i
     state = trainer.state
     assert (state.global_step, state.log_history, state.stateful_callbacks) == (10, [{"loss": 1.5, "step": 10}], {})
     assert (state.max_steps, state.num_train_epochs) == (20, 5)
+    assert state.best_model_checkpoint is None  # as Trainer: the peer's best is not on this file system
+    trainer.fed_resume.release()  # once loaded, only the trainer state stays referenced by Trainer's loop
+    assert list(trainer.fed_resume.state) == ["trainer"]
+
+
+def test_a_checkpoints_schedule_beside_its_optimizer_must_be_there(tmp_path):
+    """An optimizer folder without scheduler.pt is damage (raised, so every rank stops together); a save_only_model
+    checkpoint has neither and resumes its schedule afresh."""
+    source = GroupCheckpoint(str(tmp_path), None, 4, layout=None, group_index=0, rank=0)
+    assert source.scheduler_state() is None
+    (tmp_path / "fed_group0" / "optimizer").mkdir(parents=True)
+    with pytest.raises(CheckpointReadError, match=r"^cannot read .*scheduler\.pt"):
+        source.scheduler_state()
