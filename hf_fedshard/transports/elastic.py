@@ -9,14 +9,18 @@ at this rank's position in those groups: the engine's ``peers``. An averaging is
   group (torchft's ``should_commit``); otherwise the group forms a new quorum with the groups still alive and
   averages again, its local progress kept;
 - after a committed round the next quorum is formed at once, while every group holds the global model: a group
-  that starts (or one whose round failed where the others' committed) is behind the others' averaging count and
-  heals there from a live peer's state as of its last committed averaging (`hf_fedshard.engine.rounds.HealState`:
-  the averager's part and the training loop's), through torchft's checkpoint transport; the round applies it once
+  that starts (or one whose round failed where the others' committed, or one that holds another global model) is
+  off the lead and heals there from a live peer's state as of its last committed averaging
+  (`hf_fedshard.engine.rounds.HealState`: the averager's part and the training loop's); the round applies it once
   the quorum formed.
 
-The control all-reduce (every rank of the federation) is an all-reduce inside the group, then across the quorum.
-Groups of unequal size (each launch given the list, ``--fed_group_size 4,2,2``) average, and heal a group behind,
-over one process group of every rank of the quorum instead: `hf_fedshard.transports.quorum_world`.
+Every new quorum is arranged by `hf_fedshard.transports.quorum_world.QuorumGroups`: the groups' first ranks agree on
+who is in it (and refuse two launches of one id or settings that differ), every rank joins one process group over
+the quorum's ranks, and a group behind heals over it (cut in parts, copied shard by shard onto its own: one heal
+path for groups of any size; torchft's own heal, rank r from rank r, is off). The control all-reduce (every rank of
+the federation) is an all-reduce inside the group, then across the quorum; equal groups average over torchft's
+process group (rank r of every group), groups of unequal size (each launch given the list, ``--fed_group_size
+4,2,2``) over the quorum's process group.
 """
 
 from __future__ import annotations
@@ -44,14 +48,13 @@ from hf_fedshard.engine.communicator import (
     Round,
 )
 from hf_fedshard.engine.heal import PeerParts, mended
-from hf_fedshard.engine.rounds import NOT_READY, HealState, join, lead, next_lineage
+from hf_fedshard.engine.rounds import NOT_READY, HealState, join, next_lineage
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.topology import FederationLayout
 from hf_fedshard.transports.federation import FederationRequest
 from hf_fedshard.transports.launches import GroupLaunch
-from hf_fedshard.transports.members import differing_settings, gather_fingerprints, refuse_bad_members, settings_code
 from hf_fedshard.transports.mesh import replica_process_group
-from hf_fedshard.transports.quorum_world import UnequalQuorum, quorum_process_group
+from hf_fedshard.transports.quorum_world import QuorumGroups, quorum_process_group
 from hf_fedshard.transports.torchft_internals import check_torchft_internals
 from hf_fedshard.transports.torchft_internals import quorum_id as torchft_quorum_id
 
@@ -89,10 +92,14 @@ class QuorumPeers:
         return self.federation.pg
 
     def size(self) -> int:
-        return self.manager.num_participants()
+        """The groups at this position in the quorum: every one of them, a group that heals in it included (torchft
+        counts as participants only the groups level with the lead, for its own heal, which is off here)."""
+        rendezvous = self.pg.rendezvous
+        return rendezvous.world_size if rendezvous is not None else 1  # none: torchft's group failed, nothing runs
 
     def rank(self) -> int:
-        return self.manager.participating_rank()
+        rendezvous = self.pg.rendezvous
+        return rendezvous.rank if rendezvous is not None else 0
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         opts = AllreduceOptions()
@@ -162,10 +169,10 @@ class ElasticFederation:
         heal: the parts of this group's state a joining group is sent (each as of the last committed averaging)
             and where a heal's parts are put (`hf_fedshard.engine.rounds.HealState`); the training loop registers
             its parts there.
-        layout: the nominal federation where its groups are of unequal size (``fed_group_size 4,2,2``): they
-            average over every rank of the quorum (`UnequalQuorum`); ``None``: equal groups.
-        cut: ``heal``'s committed state in parts (`hf_fedshard.engine.heal`), whose tensors a group of another size
-            takes shard by shard; required with groups of unequal size, unused otherwise.
+        layout: the nominal federation (every group's size and shard size): groups of unequal size average over
+            every rank of the quorum (`QuorumGroups`).
+        cut: ``heal``'s committed state in parts (`hf_fedshard.engine.heal`), whose tensors a healing group takes
+            shard by shard.
         split: FL+HSDP's split exchange over the group's replicas (equal groups), or ``None``.
         hsdp_replicas: the group's replicas; ``timeout``: how the limit is named in errors.
     """
@@ -180,8 +187,8 @@ class ElasticFederation:
         timeout_s: float,
         fingerprint: str,
         heal: HealState,
-        layout: FederationLayout | None = None,
-        cut: Callable[[dict], PeerParts] | None = None,
+        layout: FederationLayout,
+        cut: Callable[[dict], PeerParts],
         split: Communicator | None = None,
         hsdp_replicas: int = 1,
         timeout: str = "",
@@ -194,14 +201,13 @@ class ElasticFederation:
         self.groups_averaged = 0  # groups in the last committed averaging
         self.averaged: list[list[int]] = []  # the groups of the last two committed averagings, the older first
         self.lineage = 0  # `hf_fedshard.engine.rounds.next_lineage` of this group's commits (I8)
-        self._members: list[int] = [group_id]  # the groups of the quorum (equal groups: from `_check_members`)
         self.quorum_seconds = 0.0
         self.manager: Any = None
         self.pg: Any = None
         self._healed = False
         self._last_quorum: int | None = None
         self.peers = QuorumPeers(self)
-        self.unequal = None if layout is None or layout.equal else UnequalQuorum(self, layout)
+        self.quorum = QuorumGroups(self, layout)
         self.communicator = self._communicator(split, hsdp_replicas, timeout or f"fed_timeout_s={timeout_s:g}")
 
     def _start(self) -> None:
@@ -212,14 +218,13 @@ class ElasticFederation:
         check_torchft_internals()
         use_cuda = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
         base = torchft.ProcessGroupNCCL if use_cuda else torchft.ProcessGroupGloo
-        self.pg = base(timeout=timeout) if self.unequal is None else quorum_process_group(base, timeout)
-        if self.unequal is not None:
-            self.unequal.pg = base(timeout=timeout)
-            self.unequal.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else self.unequal.device
+        self.pg = quorum_process_group(base, timeout)
+        self.quorum.pg = base(timeout=timeout)
+        self.quorum.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else self.quorum.device
         self._store = _group_store(group)
         try:
             self.manager = torchft.Manager(
-                pg=self.pg, load_state_dict=self._receive, state_dict=self._provide, min_replica_size=1,
+                pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=1,
                 use_async_quorum=False, init_sync=False, timeout=timeout, quorum_timeout=timeout,
                 connect_timeout=timeout, rank=dist.get_rank(group), world_size=dist.get_world_size(group),
                 store_addr=self._store.host, store_port=self._store.port, lighthouse_addr=self.lighthouse,
@@ -235,10 +240,10 @@ class ElasticFederation:
     def _communicator(self, split: Communicator | None, hsdp_replicas: int, timeout: str) -> FederationCommunicator:
         """The engine's collectives over the quorum (FL+HSDP: ``split`` over the group's replicas; groups of unequal
         size: every rank of the quorum, whose pieces need no split)."""
-        if self.unequal is not None:
+        if not self.quorum.layout.equal:
             return FederationCommunicator(
-                peers=None, control=self.unequal.world, hsdp_replicas=hsdp_replicas, timeout=timeout,
-                membership=self, round_groups=self.unequal,
+                peers=None, control=self.quorum.world, hsdp_replicas=hsdp_replicas, timeout=timeout,
+                membership=self, round_groups=self.quorum,
             )  # fmt: skip
         return FederationCommunicator(
             peers=self.peers, control=GroupThenPeers(self.group, self.peers), split=split,
@@ -253,7 +258,7 @@ class ElasticFederation:
         """
         self._start()
         self.manager.load_state_dict({"step": averagings, "batches_committed": 0})
-        present = (lambda: len(self.unequal.shapes())) if self.unequal is not None else self.peers.size
+        present = lambda: len(self.quorum.shapes())  # noqa: E731
         return join(self.next_round, present, self.num_groups, self.timeout_s, time.monotonic, time.sleep)
 
     # ---- Membership ----
@@ -261,7 +266,7 @@ class ElasticFederation:
     def commit(self) -> bool:
         committed = self.manager.should_commit()
         if committed:  # the quorum of this averaging, before the next one forms
-            groups = self._members if self.unequal is None else self.unequal.groups()
+            groups = self.quorum.groups()
             self.groups_averaged = len(groups)
             self.averaged = [*self.averaged[-1:], sorted(groups)]
             self.lineage = next_lineage(self.lineage, self.manager.current_step(), groups)
@@ -272,7 +277,7 @@ class ElasticFederation:
         self._healed = False
         begin = time.perf_counter()
         try:
-            self.manager.start_quorum(allow_heal=self.unequal is None)  # unequal: UnequalQuorum heals across sizes
+            self.manager.start_quorum(allow_heal=False)  # QuorumGroups heals a group behind, of any size
         except ConfigError:
             raise
         except Exception as err:  # the lighthouse is unreachable, or no quorum formed within the timeout
@@ -283,10 +288,8 @@ class ElasticFederation:
         quorum_id = torchft_quorum_id(self.manager)
         changed = quorum_id != self._last_quorum
         self._last_quorum = quorum_id
-        if changed and self.unequal is not None:
-            self.unequal.configure()
-        elif changed:
-            self._check_members()
+        if changed:
+            self.quorum.configure()
         return Round(healed=self._healed, changed=changed)
 
     def dropped_groups(self) -> list[int]:
@@ -316,58 +319,18 @@ class ElasticFederation:
             f"least its --min_groups groups are running. Cause: {str(cause).splitlines()[0][:300]}"
         )
 
-    def _provide(self) -> dict:
-        return {"fingerprint": self.fingerprint, "lineage": self.lineage, "state": self.heal.committed()}
-
     def provide_parts(self) -> PeerParts:
-        """`_provide`'s state in parts, for a group of another size (`UnequalQuorum`)."""
+        """This group's committed state (`HealState.committed`) in parts, for a group that heals from it
+        (`QuorumGroups.heal`)."""
         committed = self.heal.committed()
         return PeerParts(committed, [], []) if committed.get(NOT_READY) else self.cut(committed)
 
-    def _receive(self, state: dict) -> None:
-        if state["fingerprint"] != self.fingerprint:
-            differences = differing_settings({"this group": self.fingerprint, "the federation": state["fingerprint"]})
-            raise ConfigError(
-                f"hf_fedshard: fed_group{self.group_id} was started with other settings than the federation it "
-                f"joins: {differences}. Start every group with the same model, fed_* settings, group size and batch."
-            )
-        self._healed = True
-        self.lineage = state["lineage"]
-        self.heal.receive(state["state"])
-
     def take_parts(self, parts: PeerParts, averagings: int, lineage: int) -> None:
-        """A heal across sizes arrived on every rank of this group (`UnequalQuorum`): take it, and count the
-        averagings the state holds as committed here too (torchft's own heal sets them; it is off here)."""
+        """A heal arrived on every rank of this group (`QuorumGroups.heal`): take it, and count the averagings the
+        state holds as committed here too (torchft's own heal would set them; it is off)."""
         self._healed, self.lineage = True, lineage
         self.heal.receive(mended(parts))
         self.manager.load_state_dict({"step": averagings, "batches_committed": self.manager.batches_committed()})
-
-    def _check_members(self) -> None:
-        """One all-reduce when the quorum changes: no two groups share an id, all run the same settings, how many
-        groups healed into it (``fed_heals``), and whether they hold one global model (I8): a group off the lead
-        fails this round and counts itself one averaging behind, so that torchft heals it at the next quorum."""
-        n = self.num_groups
-        vector = torch.zeros(2 * n + 3, dtype=torch.float64)
-        vector[self.group_id], vector[n + self.group_id] = 1.0, float(self.lineage)
-        code = settings_code(self.fingerprint)
-        vector[-3], vector[-2], vector[-1] = code, code * code, 1.0 if self._healed else 0.0
-        self.peers.all_reduce_sum(vector)
-        counts, lineages = vector[:n].tolist(), vector[n : 2 * n].tolist()
-        total, squares, healed = vector[-3].item(), vector[-2].item(), vector[-1].item()
-        if self.manager.errored() is not None:
-            return  # the round that follows fails and forms the next quorum, which checks again
-        differences = lambda: differing_settings(  # noqa: E731  (a collective: only where the codes differ)
-            gather_fingerprints(self.peers, self.group_id, self.fingerprint)
-        )
-        refuse_bad_members(counts[self.group_id], self.group_id, n, self.peers.size(), total, squares,
-                           "model, fed_* settings, group size or batch", differences)  # fmt: skip
-        self.heals += int(healed)
-        self._members = [g for g in range(n) if counts[g] > 0]
-        step = self.manager.current_step()  # torchft healed every group behind: one count
-        _, target = lead([(g, step, int(lineages[g])) for g in self._members])
-        if self.lineage != target:
-            self.manager.report_error(RuntimeError("this group holds another global model than the quorum's lead"))
-            self.manager.load_state_dict({"step": step - 1, "batches_committed": self.manager.batches_committed()})
 
 
 class _Store:

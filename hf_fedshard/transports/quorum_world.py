@@ -1,25 +1,29 @@
-"""Groups of unequal size under ``fed_transport torchft``: one process group over every rank of the quorum.
+"""The quorum's groups under ``fed_transport torchft``: who is in it, one process group over all its ranks, and the
+heal of a group behind (one path for groups of any size).
 
-torchft's `Manager` connects rank r of every group of the quorum (its process group, reconfigured per quorum), which
-pairs groups of equal size only. With ``--fed_group_size 4,2,2`` (each launch names every group's size) the
-averaging addresses every tensor in its whole index space instead (`hf_fedshard.engine.pieces`), over every rank
-of every group in the quorum. After each new quorum:
+torchft's `Manager` connects rank r of every group of the quorum (its process group, reconfigured per quorum): equal
+groups average over it. After each new quorum, for groups of any size:
 
 1. the groups' first ranks, which torchft's process group always connects (every group has a rank 0), sum one
    small table: which groups are in the quorum, in which order, at which averaging count and lineage
-   (`hf_fedshard.engine.rounds` I8), with which settings;
-   each first rank hands it to its group's other ranks (the fast tier);
+   (`hf_fedshard.engine.rounds` I8), with which settings (where they differ, the first ranks also gather the
+   settings texts, so that the refusal names what differs); each first rank hands it to its group's other ranks
+   (the fast tier); two launches of one group id, or settings that differ, are refused in one line on every rank;
 2. every rank joins one gloo (or NCCL) process group over the quorum's ranks, numbered group by group in quorum
    order (world size = Σ sizes), through the store of the quorum's rendezvous under a key of its own;
-3. a group behind the others (a restart, a late start, a round it lost, a round redone apart) heals over that
-   group from the first group on the lead (`UnequalQuorum._heal`, `hf_fedshard.engine.heal`): what every layout
-   shares from its first rank, the tensors copied byte for byte from its shards onto the healing group's own;
-4. that group carries the pieces of each averaging and its control all-reduce; a failed collective is reported to
-   the `Manager` (the round does not commit) and the rest of the round is skipped, as on the equal groups' path.
+3. a group off the lead (a restart, a late start, a round it lost, a round redone apart) heals over that group from
+   the first group on the lead (`QuorumGroups.heal`, `hf_fedshard.engine.heal`): what every layout shares from its
+   first rank, the tensors copied byte for byte from its shards onto the healing group's own. Groups of one size
+   pair shard for shard; the copy is the same code.
+
+With ``--fed_group_size 4,2,2`` (each launch names every group's size) the averaging itself runs over that process
+group too: it addresses every tensor in its whole index space (`hf_fedshard.engine.pieces`), and carries the control
+all-reduce; a failed collective is reported to the `Manager` (the round does not commit) and the rest of the round
+is skipped, as on the equal groups' path.
 
 torchft's Manager keeps its own process group: it serves the first ranks' table, and its ranks with no peer in a
-smaller group rendezvous with the groups that have one (`quorum_process_group`). Its heal (a live peer's state,
-rank r from rank r) cannot pair shards of groups of different sizes, so it is off here, replaced by step 3.
+smaller group rendezvous with the groups that have one (`quorum_process_group`). Its own heal (a live peer's state,
+rank r from rank r) is off: step 3 replaces it for every layout.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from hf_fedshard.engine.heal import PeerParts, receiving
 from hf_fedshard.engine.pieces import GroupShape, PieceExchange
 from hf_fedshard.engine.rounds import lead
 from hf_fedshard.topology import FederationLayout
-from hf_fedshard.transports.members import refuse_bad_members, settings_code
+from hf_fedshard.transports.members import differing_settings, gather_fingerprints, refuse_bad_members, settings_code
 from hf_fedshard.transports.torchft_internals import recording_process_group
 
 if TYPE_CHECKING:
@@ -47,15 +51,15 @@ _COLUMNS = 4  # per nominal group: present, position in the quorum, averagings c
 
 def quorum_process_group(base: type, timeout: timedelta) -> Any:
     """The Manager's process group: torchft's ``base`` (its gloo or NCCL group), which also rendezvouses where a
-    group of the quorum has no rank at this rank's position, and records its rendezvous for `UnequalQuorum`."""
+    group of the quorum has no rank at this rank's position, and records its rendezvous for `QuorumGroups`."""
     return recording_process_group(base, timeout)
 
 
 class QuorumWorld:
-    """A `Communicator` over every rank of every group in the quorum (`UnequalQuorum`'s process group); a failed
+    """A `Communicator` over every rank of every group in the quorum (`QuorumGroups`'s process group); a failed
     collective is reported to the Manager and leaves zeros, as `QuorumPeers` does."""
 
-    def __init__(self, quorum: UnequalQuorum) -> None:
+    def __init__(self, quorum: QuorumGroups) -> None:
         self.quorum = quorum
 
     def size(self) -> int:
@@ -110,13 +114,13 @@ class QuorumWorld:
         output.zero_()
 
 
-class UnequalQuorum:
-    """The groups of unequal size in the current quorum (`hf_fedshard.engine.communicator.RoundGroups`) and the
-    process group over their ranks (``world``).
+class QuorumGroups:
+    """The groups of the current quorum (for groups of unequal size, the engine's
+    `hf_fedshard.engine.communicator.RoundGroups`) and the process group over their ranks (``world``).
 
     Args:
         federation: this launch's torchft side (its Manager, its group's process group, its id and fingerprint).
-        layout: the nominal federation (``fed_group_size 4,2,2``): every group's size and shard size.
+        layout: the nominal federation (e.g. ``fed_group_size 4,2,2``): every group's size and shard size.
     """
 
     def __init__(self, federation: ElasticFederation, layout: FederationLayout) -> None:
@@ -146,11 +150,11 @@ class UnequalQuorum:
         from torchft.process_group import reconfigure_with_store
 
         federation = self.federation
-        table, store = self._exchange_table()
+        table, store, differences = self._exchange_table()
         if table is None:
             federation.manager.report_error(RuntimeError("the quorum's table of groups was not exchanged"))
             return
-        order, steps, lineages = self._check(table)
+        order, steps, lineages = self._check(table, differences)
         self.arrange(order)
         try:  # alone in the quorum too: the control all-reduce and the HSDP replicas' pieces run over its ranks
             reconfigure_with_store(
@@ -178,23 +182,24 @@ class UnequalQuorum:
         self.world_rank = offsets[self._index] + dist.get_rank(federation.group)
         self.world_size = offsets[-1]
 
-    def _exchange_table(self) -> tuple[torch.Tensor | None, str | None]:
-        """The quorum's table (summed by the groups' first ranks over the Manager's process group), and the address
-        of the quorum's store, handed to this group's other ranks; ``None`` if the sum failed."""
+    def _exchange_table(self) -> tuple[torch.Tensor | None, str | None, str | None]:
+        """The quorum's table (summed by the groups' first ranks over the Manager's process group), the address
+        of the quorum's store and, where settings differ, which (`differing_settings`), handed to this group's other
+        ranks; ``None`` if the sum failed."""
         federation = self.federation
         group = federation.group
-        message: list[Any] = [None, None]
+        message: list[Any] = [None, None, None]
         if dist.get_rank(group) == 0:
             message = self._first_ranks_table()
         dist.broadcast_object_list(message, src=dist.get_global_rank(group, 0), group=group)
-        return message[0], message[1]
+        return message[0], message[1], message[2]
 
     def _first_ranks_table(self) -> list[Any]:
         """This group's row of the table, summed over the quorum's first ranks (rank 0 of each group)."""
         federation = self.federation
         rendezvous = federation.pg.rendezvous
         if federation.manager.errored() is not None or rendezvous is None:  # torchft's own group failed to form
-            return [None, None]
+            return [None, None, None]
         n = self.layout.num_groups
         table = torch.zeros(n * _COLUMNS + 2, dtype=torch.float64)
         g = federation.group_id
@@ -203,20 +208,26 @@ class UnequalQuorum:
         code = settings_code(federation.fingerprint)
         table[-2], table[-1] = code, code * code
         federation.peers.all_reduce_sum(table)
+        present = int((table[:n] > 0).sum().item())
+        differences = None
+        if present * table[-1].item() != table[-2].item() ** 2:  # settings differ: every first rank gathers them
+            texts = gather_fingerprints(federation.peers, g, federation.fingerprint)
+            differences = differing_settings(texts)
         if federation.manager.errored() is not None:
-            return [None, None]
-        return [table, rendezvous.store_addr]
+            return [None, None, None]
+        return [table, rendezvous.store_addr, differences]
 
-    def _check(self, table: torch.Tensor) -> tuple[list[int], list[float], list[float]]:
+    def _check(self, table: torch.Tensor, differences: str | None) -> tuple[list[int], list[float], list[float]]:
         """The groups of the quorum in quorum order and each nominal group's averaging count and lineage, once the
-        table shows distinct ids and one setting (every rank of every group reads the same table, so every rank
-        refuses alike)."""
+        table shows distinct ids and one setting (every rank of every group reads the same table and
+        ``differences``, so every rank refuses alike)."""
         n, federation = self.layout.num_groups, self.federation
         counts, positions, steps = table[:n].tolist(), table[n : 2 * n].tolist(), table[2 * n : 3 * n].tolist()
         lineages = table[3 * n : 4 * n].tolist()
         present = [g for g in range(n) if counts[g] > 0]
         refuse_bad_members(counts[federation.group_id], federation.group_id, n, len(present), table[-2].item(),
-                           table[-1].item(), "model, fed_* settings, fed_group_size list or batch")  # fmt: skip
+                           table[-1].item(), "model, fed_* settings, group sizes or batch",
+                           (lambda: differences) if differences else None)  # fmt: skip
         return sorted(present, key=lambda g: positions[g]), steps, lineages
 
     def heal(self, behind: list[int], source: int, averagings: int, lineage: int) -> None:

@@ -17,7 +17,7 @@ from hf_fedshard.engine.heal import PeerParts, cut, mend, receiving
 from hf_fedshard.engine.payload import model_state_addresses, model_state_shapes, model_state_tensors
 from hf_fedshard.engine.pieces import Address, GroupShape, PieceExchange
 from hf_fedshard.topology import FederationLayout
-from hf_fedshard.transports.quorum_world import UnequalQuorum
+from hf_fedshard.transports.quorum_world import QuorumGroups
 
 from ..fake_communicator import BARRIER_TIMEOUT_S, run_federation, run_ranks
 from ..tiny_federation import build, train_step
@@ -132,7 +132,7 @@ def test_a_heal_that_fails_is_raised_on_the_group_behind_and_left_reported_on_a_
         group=dist.group.WORLD, group_id=int(behind), timeout_s=30.0, manager=_FailedManager(), heals=0,
         provide_parts=lambda: PeerParts({}, [], []), take_parts=None,
     )  # fmt: skip
-    quorum = UnequalQuorum(federation, FederationLayout(3, (2, 1)))
+    quorum = QuorumGroups(federation, FederationLayout(3, (2, 1)))
     quorum.arrange([0, 1])
     assert quorum.shapes() == (GroupShape((0, 1), 2), GroupShape((2,), 1)) and quorum.index() == int(behind)
     assert (quorum.world_rank, quorum.world_size) == (2 if behind else 0, 3)
