@@ -18,6 +18,7 @@ its ``folder``; a live peer has none, and sends its trainer state instead.
 
 from __future__ import annotations
 
+import math
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -98,8 +99,9 @@ class ResumeSource(ABC):
         nothing in memory."""
         return None
 
-    def data_position(self, samples_per_step: int, steps_per_epoch: int) -> DataPosition | None:
-        """Where the data resumes on this layout; ``None``: where Trainer puts it from the step."""
+    def data_position(self, samples_per_step: int, steps_per_epoch: int, batches_per_epoch: int) -> DataPosition | None:
+        """Where the data resumes on this layout (``batches_per_epoch``: each rank's); ``None``: where Trainer puts it
+        from the step."""
         return None
 
     def start_line(self, position: DataPosition | None, samples_per_step: int) -> str | None:
@@ -146,7 +148,7 @@ class GroupCheckpoint(ResumeSource):
     def scheduler_state(self) -> dict | None:
         return _saved_scheduler(self.folder, os.path.join(group_dir(self.folder, self.group_index), "optimizer"))
 
-    def data_position(self, samples_per_step: int, steps_per_epoch: int) -> DataPosition | None:
+    def data_position(self, samples_per_step: int, steps_per_epoch: int, batches_per_epoch: int) -> DataPosition | None:
         if self.record is None or "epoch_samples" not in self.record:
             return None  # a run that never changed layout: Trainer's own arithmetic from the step holds
         return data_position(self.record, self.at_step, samples_per_step, steps_per_epoch)
@@ -194,7 +196,7 @@ class ResizedCheckpoint(ResumeSource):
     def scheduler_state(self) -> dict | None:
         return _saved_scheduler(self.change.checkpoint, os.path.join(group_dir(self.change.checkpoint, 0), "optimizer"))
 
-    def data_position(self, samples_per_step: int, steps_per_epoch: int) -> DataPosition:
+    def data_position(self, samples_per_step: int, steps_per_epoch: int, batches_per_epoch: int) -> DataPosition:
         return data_position(self.change.saved, self.change.step, samples_per_step, steps_per_epoch)
 
     def start_line(self, position: DataPosition | None, samples_per_step: int) -> str:
@@ -212,10 +214,12 @@ class ResizedCheckpoint(ResumeSource):
 @dataclass
 class LivePeer(ResumeSource):
     """A live group's committed state (`HealState`'s parts: ``trainer``, ``scheduler``, ``averager``), sent to a
-    group behind the federation at its first quorum; ``group_id`` names the healing group in the start-up line."""
+    group behind the federation at its first quorum; ``group_id`` names the healing group in the start-up line,
+    ``accumulation`` is its gradient_accumulation_steps."""
 
     state: dict
     group_id: int
+    accumulation: int
     folder: None = None
 
     def __str__(self) -> str:
@@ -246,6 +250,19 @@ class LivePeer(ResumeSource):
         if state.best_model_checkpoint is not None and not os.path.isdir(state.best_model_checkpoint):
             state.best_model_checkpoint = None  # as Trainer: the peer's best is not on this file system
         return state
+
+    def data_position(self, samples_per_step: int, steps_per_epoch: int, batches_per_epoch: int) -> DataPosition | None:
+        """Where the peer's ranks are in their epoch: its fractional epoch (Trainer's, in batches, the same count on
+        every rank of every group) read back as whole batches and steps. After a layout change the step alone no
+        longer says it; otherwise this is Trainer's own placement from the step."""
+        epoch = self.state["trainer"].get("epoch")
+        if epoch is None:
+            return None
+        whole = math.floor(epoch + 1e-9)
+        steps = round((epoch - whole) * batches_per_epoch) // self.accumulation
+        if steps >= steps_per_epoch:
+            return DataPosition(whole + 1, 0, 0, 0)
+        return DataPosition(whole, steps * samples_per_step, steps, 0)
 
     def release(self) -> None:
         """The model, anchors, outer state and schedule are loaded: keep only the trainer state."""

@@ -54,7 +54,7 @@ class DataMixin(Trainer):
         source, self._resumed_position = self.fed_resume, None
         if source is None or self._batches_per_epoch is None:
             return values
-        position = source.data_position(int(total_batch), int(steps_per_epoch))
+        position = source.data_position(int(total_batch), int(steps_per_epoch), int(self._batches_per_epoch))
         if position is None:
             return values
         self._resumed_position = position

@@ -50,7 +50,7 @@ class FederationMixin(Trainer):
         self.fed_federation.join(source.averagings if source is not None else 0)
         membership = self.fed_communicator.membership
         peer = membership.heal.take() if membership is not None else {}
-        return LivePeer(peer, self.args.fed_launch.group_id) if peer else source
+        return LivePeer(peer, self.args.fed_launch.group_id, self.args.gradient_accumulation_steps) if peer else source
 
     def _check_peer_step(self, trainer_state: dict) -> None:
         """A heal during training (this group lost a round the others committed): the peer's state must be of this

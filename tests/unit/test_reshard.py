@@ -189,7 +189,8 @@ def test_a_live_peers_trainer_state_comes_from_memory_and_places_the_data_from_i
     trainer.hp_name, trainer._trial = None, None
     peer = TrainerState(global_step=10, log_history=[{"loss": 1.5, "step": 10}], stateful_callbacks={"Cb": {"a": 1}},
                         best_model_checkpoint="/not/here/fed_group0/checkpoint-8")  # fmt: skip
-    trainer.fed_resume = LivePeer({"trainer": trainer_state_now(peer), "averager": {}, "scheduler": {}}, group_id=1)
+    parts = {"trainer": trainer_state_now(peer), "averager": {}, "scheduler": {}}
+    trainer.fed_resume = LivePeer(parts, group_id=1, accumulation=2)
     trainer._data_arithmetic, trainer._resumed_position = {"samples_per_step": 8}, None
     folders = []
     monkeypatch.setattr(Trainer, "_init_training_state", lambda self, *args: folders.append(args[3]) or (0, 0))
@@ -201,6 +202,23 @@ def test_a_live_peers_trainer_state_comes_from_memory_and_places_the_data_from_i
     assert state.best_model_checkpoint is None  # as Trainer: the peer's best is not on this file system
     trainer.fed_resume.release()  # once loaded, only the trainer state stays referenced by Trainer's loop
     assert list(trainer.fed_resume.state) == ["trainer"]
+
+
+@pytest.mark.parametrize(
+    ("epoch", "samples_per_step", "position"),
+    [
+        (24 / 40, 8, DataPosition(0, 96, 12, 0)),  # 24 of 40 batches read: 12 steps of 2 batches
+        (24 / 40, 4, DataPosition(0, 48, 12, 0)),  # a healing group of half the size: the same steps, its samples
+        (1.0, 8, DataPosition(1, 0, 0, 0)),  # at the epoch's end: the next epoch from its beginning
+        (2 + 38 / 40, 8, DataPosition(2, 152, 19, 0)),  # epoch 2, one step before its end
+    ],
+)
+def test_a_live_peer_places_the_data_by_its_epoch_not_its_step(epoch, samples_per_step, position):
+    """The peer's fractional epoch (Trainer's, in batches: the same count on every rank of every group) read back as
+    whole steps: after a layout change its step (9 here) no longer says where its epoch is; 40 batches per epoch,
+    2 accumulation steps, 20 steps per epoch."""
+    peer = LivePeer({"trainer": {"epoch": epoch, "global_step": 9}}, group_id=1, accumulation=2)
+    assert peer.data_position(samples_per_step, 20, 40) == position
 
 
 def test_a_checkpoints_schedule_beside_its_optimizer_must_be_there(tmp_path):
