@@ -141,12 +141,12 @@ class GroupCheckpoint(ResumeSource):
         return load_averaging_state(self.folder, self.layout, self.rank, model, group)
 
     def load_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: ProcessGroup) -> None:
-        directory = os.path.join(group_dir(self.folder, self.group_index), "optimizer")
+        directory = _optimizer_dir(self.folder, self.group_index)
         if os.path.isdir(directory):  # a save_only_model checkpoint has none, as with Trainer
             load_group_optimizer(model, optimizer, directory, group)
 
     def scheduler_state(self) -> dict | None:
-        return _saved_scheduler(self.folder, os.path.join(group_dir(self.folder, self.group_index), "optimizer"))
+        return _saved_scheduler(self.folder, _optimizer_dir(self.folder, self.group_index))
 
     def data_position(self, samples_per_step: int, steps_per_epoch: int, batches_per_epoch: int) -> DataPosition | None:
         if self.record is None or "epoch_samples" not in self.record:
@@ -190,11 +190,11 @@ class ResizedCheckpoint(ResumeSource):
         return load_resharded_averaging_state(self.change, model, group)
 
     def load_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: ProcessGroup) -> None:
-        if os.path.isdir(os.path.join(group_dir(self.change.checkpoint, 0), "optimizer")):
+        if os.path.isdir(_optimizer_dir(self.change.checkpoint, 0)):  # group 0's is there on every layout
             load_mean_optimizer(model, optimizer, self.change, group)
 
     def scheduler_state(self) -> dict | None:
-        return _saved_scheduler(self.change.checkpoint, os.path.join(group_dir(self.change.checkpoint, 0), "optimizer"))
+        return _saved_scheduler(self.change.checkpoint, _optimizer_dir(self.change.checkpoint, 0))
 
     def data_position(self, samples_per_step: int, steps_per_epoch: int, batches_per_epoch: int) -> DataPosition:
         return data_position(self.change.saved, self.change.step, samples_per_step, steps_per_epoch)
@@ -283,6 +283,11 @@ def checkpoint_source(folder: str, layout: FederationLayout, group_index: int, r
     if change is not None:
         return ResizedCheckpoint(change)
     return GroupCheckpoint(folder, read_layout_record(folder), checkpoint_step(folder), layout, group_index, rank)
+
+
+def _optimizer_dir(folder: str, group_index: int) -> str:
+    """Where a checkpoint holds group ``group_index``'s inner optimizer (none in a save_only_model checkpoint)."""
+    return os.path.join(group_dir(folder, group_index), "optimizer")
 
 
 def _saved_scheduler(folder: str, optimizer: str) -> dict | None:

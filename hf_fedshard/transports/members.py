@@ -20,6 +20,12 @@ def settings_code(text: str) -> float:
     return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") % (1 << 20))
 
 
+def settings_differ(groups: int, codes: float, squares: float) -> bool:
+    """Whether the ``groups`` groups' `settings_code` s differ, from their sum ``codes`` and the sum of their squares
+    ``squares`` (all equal iff groups · squares = codes², by Cauchy-Schwarz; exact in float64 for these codes)."""
+    return groups * squares != codes * codes
+
+
 def refuse_bad_members(
     claims: float,
     group_id: int,
@@ -40,7 +46,7 @@ def refuse_bad_members(
             "outlived its killed torchrun, which starts workers in sessions of their own; a dead launch is not "
             f"counted). Give every group its own --fed_group_id in 0..{num_groups - 1}, and end stray workers."
         )
-    if groups * squares != codes * codes:
+    if settings_differ(groups, codes, squares):
         which = f": {differences()}" if differences is not None else f" ({settings})"
         raise ConfigError(
             f"hf_fedshard: the groups of the federation were started with different settings{which}. Start every "

@@ -40,7 +40,13 @@ from hf_fedshard.engine.heal import PeerParts, receiving
 from hf_fedshard.engine.pieces import GroupShape, PieceExchange
 from hf_fedshard.engine.rounds import lead
 from hf_fedshard.topology import FederationLayout
-from hf_fedshard.transports.members import differing_settings, gather_fingerprints, refuse_bad_members, settings_code
+from hf_fedshard.transports.members import (
+    differing_settings,
+    gather_fingerprints,
+    refuse_bad_members,
+    settings_code,
+    settings_differ,
+)
 from hf_fedshard.transports.torchft_internals import recording_process_group
 
 if TYPE_CHECKING:
@@ -210,7 +216,7 @@ class QuorumGroups:
         federation.peers.all_reduce_sum(table)
         present = int((table[:n] > 0).sum().item())
         differences = None
-        if present * table[-1].item() != table[-2].item() ** 2:  # settings differ: every first rank gathers them
+        if settings_differ(present, table[-2].item(), table[-1].item()):  # every first rank gathers them
             texts = gather_fingerprints(federation.peers, g, federation.fingerprint)
             differences = differing_settings(texts)
         if federation.manager.errored() is not None:
