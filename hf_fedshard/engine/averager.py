@@ -150,8 +150,6 @@ class FederatedAverager:
         self._finished = self._lending = False
         self._groups_evaluated_at: int | None = None
         self._observers: list[AveragingObserver] = []
-        if average_initial_weights:
-            self._average_initial_weights()
         params = model_state_tensors(model)[: self._trainable]
         device = outer_state_device(params, options.outer_state_on_device)
         lr, momentum = self.settings.outer_lr, self.settings.outer_momentum
@@ -160,10 +158,11 @@ class FederatedAverager:
         ]
         self.rounds = RoundPlan(options.sync_steps, options.min_round_steps, clock) if options.speed_aware else None
         self._describe(trainable, device)
-        if self.comm.membership is not None:  # a joining group heals from this group's state of the last commit
+        if self.comm.membership is not None:  # a joining group heals from this group's state of the last commit,
+            # from step 0's averaging on: its round's snapshot must hold this part (a quorum may heal a group there)
             self.comm.membership.heal.register("averager", self.peer_state, self.load_peer_state)
-            if average_initial_weights:
-                self.comm.membership.heal.commit()
+        if average_initial_weights:
+            self._average_initial_weights()
 
     # ---- The loop's calls ----
 
@@ -694,6 +693,9 @@ class FederatedAverager:
                 for tensor, mean in zip(tensors, means, strict=True):
                     if tensor is not mean:
                         tensor.copy_(mean)
+            params = tensors[: self._trainable]
+            for fragment in self.fragments:  # the anchors were the group's own initial weights until now
+                fragment.outer.move_anchor(fragment.of(params))
             self.counters.count(time.perf_counter() - start, 0.0)
 
         self._in_round(attempt, apply)

@@ -88,6 +88,12 @@ class OuterOptimizer:
             tensor.copy_(new if snapshots is None else new + (tensor.float() - snapshots[i]))
 
     @torch.no_grad()
+    def move_anchor(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Set the anchor to ``tensors`` (step 0's average: the first global model)."""
+        for anchor, tensor in zip(self.anchor, tensors, strict=True):
+            anchor.copy_(tensor.detach().float())
+
+    @torch.no_grad()
     def restart(self, tensors: Sequence[torch.Tensor]) -> None:
         """Move the local shards onto the anchor (a diverged group's restart from the global model)."""
         for anchor, tensor in zip(self.anchor, tensors, strict=True):

@@ -112,9 +112,13 @@ class HealState:
         self.held = dict(parts)
 
     def apply(self) -> None:
-        """Hand each held part to its ``load`` (a heal between rounds); parts with none stay held."""
+        """Hand each held part to its ``load`` (a heal between rounds); parts with none stay held. Once every part
+        is loaded, the group holds its source's committed state: its own snapshot now (I1), should a group behind
+        heal from it before its next commit."""
         for name in [n for n in self.held if n in self._load]:
             self._load[name](self.held.pop(name))
+        if not self.held:
+            self.commit()
 
     def take(self) -> dict[str, Any]:
         """Every held part, now the caller's (the training loop resumes from them before it trains)."""
