@@ -1,26 +1,139 @@
 """A federation of simulated launches (`hf_fedshard.transports.simulated`) that trains as the Trainer does: each
 launch joins, heals or resumes, trains its steps, averages every H through the real `FederatedAverager`, saves a
 checkpoint every few averagings; faults are scheduled on the fake clock. `World.check` states what must hold at
-the end whatever the faults: every group that finished ended on one model with one averaging count."""
+the end whatever the faults: every group that finished ended on one model with one averaging count.
+
+Whose membership the launches run is the world's ``backend``: `Lighthouse` (torchft's semantics, the package's
+`SimulatedFederation`) or `Store` (the membership of the transport written outside the package,
+`tests.store_transport.StoreMembership`, over `SimulatedStore`): the same schedules prove both."""
 
 from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from hf_fedshard import FederatedAverager
+from hf_fedshard.engine.communicator import FederationCommunicator
 from hf_fedshard.engine.payload import load_model_state, model_state_tensors
 from hf_fedshard.engine.rounds import HealState
 from hf_fedshard.transports.simulated import FakeLighthouse, Launch, SimulatedFederation, Simulation
 
+from .store_transport import StoreMembership
 from .tiny_federation import build, train_step
 
 H, STEPS, STEP_S, CHECKPOINT_EVERY = 4, 24, 1.0, 8
 TIMEOUT_S, JOIN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S = 20.0, 3.0, 5.0
+POLL_S = 0.2  # the store membership's reading interval (fake seconds: it costs only the test's time)
 LEFT_BEHIND = "it was sent a peer's state of step"  # the Trainer's words, `FedShardMixin._check_peer_step`
+HEAL_LOST = "could not heal from"  # a heal whose source died during the copy (the transports' words)
+
+
+class SimulatedStore:
+    """The key-value calls of a `TCPStore` (`tests.store_transport.KeyValue`) on the simulator: every write is a
+    point where another launch may run (reads between two writes see what those writes left, whoever runs);
+    ``get`` of a missing key waits (as TCPStore's does) up to the timeout; a lost store fails every call, as a dead
+    store host does."""
+
+    def __init__(self, sim: Simulation, timeout_s: float) -> None:
+        self.sim, self.timeout_s, self.data, self.lost = sim, timeout_s, {}, False
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call()
+        self.data[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key: str) -> bytes:
+        self._call(write=False)
+        if not self.sim.wait_until(lambda: key in self.data or self.lost, self.timeout_s) or self.lost:
+            raise dist.DistStoreError(f"wait timeout after {self.timeout_s:g}s, keys: {key}")
+        return self.data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        self._call(write=amount != 0)
+        value = int(self.data.get(key, b"0")) + amount
+        self.data[key] = str(value).encode()
+        return value
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self._call()
+        if self.data.get(key, b"") == expected.encode():
+            self.data[key] = desired.encode()
+        return self.data.get(key, expected.encode())
+
+    def check(self, keys: list[str]) -> bool:
+        self._call(write=False)
+        return all(key in self.data for key in keys)
+
+    def delete_key(self, key: str) -> bool:
+        self._call()
+        return self.data.pop(key, None) is not None
+
+    def _call(self, write: bool = True) -> None:
+        if write:
+            self.sim.point()
+        if self.lost:
+            raise dist.DistStoreError("the store's host is gone")
+
+
+class Federation(Protocol):
+    """What a backend gives a launch: its first quorum, its communicator, its commits (quorum, groups), and
+    ``error``, which makes its next vote no (an injected failure)."""
+
+    communicator: FederationCommunicator
+    commits: list[tuple[int, tuple[int, ...]]]
+    error: str | None
+
+    def join(self, averagings: int) -> Any: ...
+
+
+class Lighthouse:
+    """torchft's membership: `SimulatedFederation` over a `FakeLighthouse`; losing it loses the lighthouse."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim, self.lighthouse = sim, FakeLighthouse(sim, JOIN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S)
+
+    def federation(self, launch: Launch, groups: int, heal: HealState) -> SimulatedFederation:
+        return SimulatedFederation(self.sim, self.lighthouse, launch, groups, TIMEOUT_S, heal)
+
+    def lose(self) -> None:
+        self.lighthouse.lost = True
+
+    def renew(self) -> None:
+        self.lighthouse.lost = False
+        self.lighthouse.asked.clear()
+
+
+class Store:
+    """The outside transport's membership, `StoreMembership`, over a `SimulatedStore`; losing it loses the store
+    (a new one, empty, for the launches of a full resume)."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim, self.store = sim, SimulatedStore(sim, TIMEOUT_S)
+
+    def federation(self, launch: Launch, groups: int, heal: HealState) -> StoreMembership:
+        sim = self.sim
+        membership = StoreMembership(
+            self.store, group_id=launch.group, num_groups=groups, heal=heal, timeout_s=TIMEOUT_S,
+            clock=lambda: sim.now, sleep=sim.sleep, join_timeout_s=JOIN_TIMEOUT_S, poll_s=POLL_S,
+        )  # fmt: skip
+        membership.communicator = FederationCommunicator(
+            peers=membership, control=membership, timeout=f"fed_timeout_s={TIMEOUT_S:g}", membership=membership
+        )
+        return membership
+
+    def lose(self) -> None:
+        self.store.lost = True
+
+    def renew(self) -> None:
+        self.store = SimulatedStore(self.sim, TIMEOUT_S)
+
+
+BACKENDS: dict[str, Callable[[Simulation], Lighthouse | Store]] = {"lighthouse": Lighthouse, "store": Store}
 
 
 @dataclass
@@ -36,19 +149,20 @@ class Finished:
 
 @dataclass
 class World:
-    """``groups`` groups of one rank on a fake clock, seeded."""
+    """``groups`` groups of one rank on a fake clock, seeded, meeting through ``backend`` (a `BACKENDS` name)."""
 
     seed: int
     groups: int = 3
+    backend: str = "lighthouse"
     sim: Simulation = field(init=False)
-    lighthouse: FakeLighthouse = field(init=False)
+    launches: list[Launch] = field(default_factory=list)
     finished: list[Finished] = field(default_factory=list)
     checkpoints: dict[int, dict[int, dict]] = field(default_factory=dict)  # group -> step -> state
     log: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.sim = Simulation(self.seed)
-        self.lighthouse = FakeLighthouse(self.sim, JOIN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S)
+        self.meeting = BACKENDS[self.backend](self.sim)
         self._ids = itertools.count()
 
     # ---- Faults and starts, on the fake clock ----
@@ -83,15 +197,19 @@ class World:
 
         def fail() -> None:
             for launch in self.live(group):
+                if launch.federation is None:
+                    continue  # not started yet: no round to fail
                 launch.federation.error = "injected: a collective failed on this rank"
                 self.log.append(f"{self.sim.now:.2f} fail the next round of group {group} launch {launch.id}")
 
         self.sim.at(at, fail)
 
     def lose_lighthouse(self, at: float) -> None:
+        """Lose what the groups meet through (the lighthouse, or the store)."""
+
         def lose() -> None:
-            self.lighthouse.lost = True
-            self.log.append(f"{self.sim.now:.2f} lighthouse lost")
+            self.meeting.lose()
+            self.log.append(f"{self.sim.now:.2f} {self.backend} lost")
 
         self.sim.at(at, lose)
 
@@ -100,8 +218,7 @@ class World:
         ``delays[g]`` seconds later."""
 
         def resume() -> None:
-            self.lighthouse.lost = False
-            self.lighthouse.asked.clear()
+            self.meeting.renew()
             common = set.intersection(*(set(self.checkpoints.get(g, {})) for g in range(self.groups)))
             step = max(common) if common else None
             self.log.append(f"{self.sim.now:.2f} full resume from {step}")
@@ -111,7 +228,8 @@ class World:
         self.sim.at(at, resume)
 
     def live(self, group: int) -> list[Launch]:
-        return [x for x in self.lighthouse.launches if x.group == group and self.lighthouse.alive(x)]
+        """``group``'s launches whose thread runs (stopped ones too)."""
+        return [x for x in self.launches if x.group == group and not (x.thread.killed or x.thread.done)]
 
     def run(self) -> World:
         self.sim.run(until=10_000.0)
@@ -121,26 +239,27 @@ class World:
 
     def _launch(self, group: int, resume_step: int | None) -> None:
         launch = Launch(group, next(self._ids))
-        heal = HealState()
-        federation = SimulatedFederation(self.sim, self.lighthouse, launch, self.groups, TIMEOUT_S, heal)
-        launch.thread = self.sim.spawn(
-            f"group{group}#{launch.id}", lambda: self._life(launch, federation, heal, resume_step)
-        )
+        self.launches.append(launch)
+        launch.thread = self.sim.spawn(f"group{group}#{launch.id}", lambda: self._life(launch, resume_step))
         self.log.append(f"{self.sim.now:.2f} start group {group} launch {launch.id} resume {resume_step}")
 
-    def _life(self, launch: Launch, federation: SimulatedFederation, heal: HealState, resume: int | None) -> None:
-        """`_train`; a launch left behind by more than its round (it was sent a later step) exits with that error
-        and is started again a second later, as torchrun --max-restarts does, to heal at its first quorum."""
+    def _life(self, launch: Launch, resume: int | None) -> None:
+        """`_train`; a launch left behind by more than its round (it was sent a later step), or whose heal lost its
+        source, exits with that error and is started again a second later, as torchrun --max-restarts does, to heal
+        at its first quorum."""
+        heal = HealState()
+        federation = launch.federation = self.meeting.federation(launch, self.groups, heal)
         try:
             self._train(launch, federation, heal, resume)
         except RuntimeError as err:
-            if LEFT_BEHIND not in str(err):
+            if LEFT_BEHIND not in str(err) and HEAL_LOST not in str(err):
                 raise
             launch.died_at = self.sim.now
-            self.log.append(f"{self.sim.now:.2f} group {launch.group} launch {launch.id} left behind: restarted")
+            why = "left behind" if LEFT_BEHIND in str(err) else "its heal lost its source"
+            self.log.append(f"{self.sim.now:.2f} group {launch.group} launch {launch.id} {why}: restarted")
             self.start(launch.group, self.sim.now + 1.0)
 
-    def _train(self, launch: Launch, federation: SimulatedFederation, heal: HealState, resume: int | None) -> None:
+    def _train(self, launch: Launch, federation: Federation, heal: HealState, resume: int | None) -> None:
         group = launch.group
         checkpoint = None if resume is None else self.checkpoints[group][resume]
         position = {"step": 0 if checkpoint is None else checkpoint["step"]}

@@ -1,33 +1,70 @@
 """A transport written outside the package, the worked example of the README's "How it is built": every group its own
-launch, meeting at a `TCPStore` that one process hosts (here the test; on a cluster, any host every group reaches).
-Importing this module registers it as ``fed_transport store`` through the public `register_transport`; nothing under
-``hf_fedshard/`` names it.
+launch, meeting at a key-value store (a `TCPStore` that one process hosts: here the test; on a cluster, any host every
+group reaches). Importing this module registers it as ``fed_transport store`` through the public `register_transport`;
+nothing under ``hf_fedshard/`` names it.
 
-Its membership is fixed: `join` waits for every one of ``num_groups`` groups (each names its fingerprint, and a
-group whose settings differ is refused); every averaging is a round of `hf_fedshard.engine.rounds` whose vote goes
-through the store (`commit`), over the same quorum each time; a dead group stops the others at their next collective,
-as in one job. (Torchft's membership forms quorums of the groups alive and heals the ones behind.) Groups of equal
-size only.
+Its membership is its own and elastic: groups die, restart and heal between averagings, as torchft's do, by the
+round protocol of `hf_fedshard.engine.rounds` (its states and invariants). Everything goes through six calls of the
+store (`KeyValue`), so the same class runs in real launches over a `TCPStore` and in the round protocol's simulator
+over a store on a fake clock (`tests.round_world.SimulatedStore`), under the simulator's fault schedules:
 
-Use: ``import store_transport`` in the training script, then ``--fed_transport store --fed_transport_options
-'{"group_id": 0, "num_groups": 2, "store": "HOST:PORT"}'``.
+- QUORUM: a group's first rank appends a `Claim` (group, launch number, averagings committed, lineage) to the open
+  quorum's list. The quorum closes, for good (`compare_set`), once every nominal group claimed, or once every launch
+  of the last quorum still alive claimed (newcomers ride along), or ``timeout_s`` after the first of those claimed
+  (one of them died); the first quorum of a federation waits ``join_timeout_s`` for the others. A claim that came
+  after the close goes to the next quorum. A launch of a group supersedes its earlier ones (`group{G}/launches`):
+  a dead launch is noticed at once when its group restarts, and a live one superseded stops (I6).
+- EXCHANGE: every collective posts this rank's tensor under the quorum's next operation and reads its peers'
+  (the same sum order on every rank, so every group holds the same bits); a peer that is silent for ``timeout_s``,
+  or superseded, fails the round (zeros, and a no vote).
+- COMMIT: every rank of every group of the quorum votes; a group takes a round only if all its ranks saw every
+  vote yes.
+- HEAL: a group whose (averagings, lineage) is not the quorum's lead (`hf_fedshard.engine.rounds.lead`) reads the
+  committed state of the first group on it, shard position by shard position, from the store.
+
+Collectives through a store are slow: this is an example of the seam, not a transport for large models. Groups of
+equal size only. Use: ``import store_transport`` in the training script, then ``--fed_transport store
+--fed_transport_options '{"group_id": 0, "num_groups": 2, "store": "HOST:PORT"}'``.
 """
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ReduceOp
-from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
 from hf_fedshard.engine import FederationCommunicator
 from hf_fedshard.engine.communicator import GroupThenPeers, Round
+from hf_fedshard.engine.rounds import HealState, join, lead, next_lineage
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.transports import FederationRequest, GroupLaunch, register_transport
+
+POLL_S = 0.05  # how often a waiting rank reads the store again
+JOIN_TIMEOUT_S = 3.0  # how long the first quorum of a federation waits for the groups to start
+
+
+class KeyValue(Protocol):
+    """The calls of `torch.distributed.TCPStore` this transport makes (a failure raises `dist.DistError`)."""
+
+    def set(self, key: str, value: str | bytes) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def add(self, key: str, amount: int) -> int: ...
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes: ...
+
+    def check(self, keys: list[str]) -> bool: ...
+
+    def delete_key(self, key: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -37,88 +74,326 @@ class StoreSettings(GroupLaunch):
     store: str
 
 
-class GlooPeers:
-    """A `Communicator` over a gloo process group of its own (not torch.distributed's world): this rank's peers, one
-    per group, ranked by group id."""
+@dataclass(frozen=True)
+class Claim:
+    """A group's ask for a place in a quorum: its launch number (its group's count of launches so far), and the
+    averagings it committed with their lineage (`hf_fedshard.engine.rounds` I8)."""
 
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-        self.pg: dist.ProcessGroupGloo | None = None  # set up by `StoreFederation.join`, once the groups agree
+    group: int
+    launch: int
+    count: int
+    lineage: int
+
+
+def _encode(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _decode(data: bytes, like: torch.Tensor) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(like.dtype).view(like.shape)
+
+
+def _pickle(state: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+class StoreMembership:
+    """One rank's side of the federation: the `Membership` (quorum, vote, heal) and its peers' `Communicator` (one
+    rank per group at this shard position), every call through ``store``.
+
+    ``share(obj)`` hands the group's first rank's ``obj`` to every rank of the group and ``any_rank(flag)`` is true
+    if ``flag`` is on any of them (a launch of one rank: ``lambda x: x``): the group decides a quorum, a commit and
+    a heal once, for all its ranks.
+    """
+
+    def __init__(
+        self,
+        store: KeyValue,
+        *,
+        group_id: int,
+        num_groups: int,
+        heal: HealState,
+        timeout_s: float,
+        position: int = 0,
+        positions: int = 1,
+        share: Callable[[Any], Any] = lambda x: x,
+        any_rank: Callable[[bool], bool] = lambda x: x,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        join_timeout_s: float = JOIN_TIMEOUT_S,
+        poll_s: float = POLL_S,
+    ) -> None:
+        self.store, self.group, self.num_groups, self.heal = store, group_id, num_groups, heal
+        self.position, self.positions, self.timeout_s, self.join_timeout_s = (
+            position,
+            positions,
+            timeout_s,
+            join_timeout_s,
+        )
+        self._share, self._any_rank, self._clock, self._sleep = share, any_rank, clock, sleep
+        self._poll = poll_s
+        self.launch = share(store.add(f"group{group_id}/launches", 1) if position == 0 else None)
+        self.count = self.lineage = self.heals = 0
+        self.quorum, self.members = -1, ()  # the current quorum's number and its claims, by group
+        self.error: str | None = None  # why a collective of this round failed (the vote is then no)
+        self.commits: list[tuple[int, tuple[int, ...]]] = []  # (quorum, its groups) of every round committed
+        self._ops, self._votes = itertools.count(), itertools.count()
+        self._posted: list[str] = []  # this rank's keys of the current quorum, deleted when it moves on
+
+    # ---- Membership (`hf_fedshard.engine.communicator`) ----
+
+    def join(self, averagings: int) -> Round:
+        """The first quorum, by the protocol's rule (`hf_fedshard.engine.rounds.join`), on the first rank's clock."""
+        self.count = averagings
+        clock = lambda: self._share(self._clock())  # noqa: E731 (every rank of the group decides alike)
+        return join(self.next_round, lambda: len(self.members), self.num_groups, self.timeout_s, clock, self._sleep)
+
+    def next_round(self) -> Round:
+        """QUORUM, and HEAL if this group is not on the quorum's lead."""
+        self._forget()
+        decided = self._share(self._ask() if self.position == 0 else None)
+        if isinstance(decided, Exception):  # the first rank's, raised on every rank of the group
+            raise decided
+        previous = [(c.group, c.launch) for c in self.members]
+        self.quorum, self.members = decided[0], tuple(Claim(**c) for c in decided[1])
+        self._ops, self._votes, self.error = itertools.count(), itertools.count(), None
+        changed = previous != [(c.group, c.launch) for c in self.members]
+        target = lead([(c.group, c.count, c.lineage) for c in self.members])
+        source = next(c for c in self.members if (c.count, c.lineage) == target)
+        if (self.count, self.lineage) == target:
+            if source.group == self.group and any((c.count, c.lineage) != target for c in self.members):
+                self._post(f"q{self.quorum}/state/{self.position}", _pickle(self.heal.committed()))
+            return Round(healed=False, changed=changed)
+        self._take(source, target)
+        return Round(healed=True, changed=changed)
+
+    def commit(self) -> bool:
+        """COMMIT: this rank votes yes iff its collectives succeeded; the group takes the round iff every rank of
+        every group voted yes, as every one of its ranks saw."""
+        key = f"q{self.quorum}/vote{next(self._votes)}"
+        try:  # a vote stays in the store: a peer may read it after this rank moved on
+            self.store.set(f"{key}/{self.group}.{self.position}", b"1" if self.error is None else b"0")
+            keys = [f"{key}/{c.group}.{p}" for c in self.members for p in range(self.positions)]
+            seen = self._wait(keys) and all(self.store.get(k) == b"1" for k in keys)
+        except dist.DistError:
+            seen = False
+        if self._any_rank(not seen):
+            return False
+        self.count += 1
+        groups = tuple(c.group for c in self.members)
+        self.lineage = next_lineage(self.lineage, self.count, groups)
+        self.commits.append((self.quorum, groups))
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        return {"fed_groups_in_quorum": len(self.members), "fed_heals": self.heals}
+
+    # ---- Communicator: this rank's peers, one per group of the quorum ----
 
     def size(self) -> int:
-        return self._size
+        return max(len(self.members), 1)
 
     def rank(self) -> int:
-        return self._rank
+        return next((i for i, c in enumerate(self.members) if c.group == self.group), 0)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.SUM
-        self.pg.allreduce([tensor], opts).wait()
-
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.pg.alltoall_base(output, input, [], [], AllToAllOptions()).wait()
+        self._collective(tensor, tensor, lambda posts: sum(posts[1:], posts[0].clone()))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.pg.allgather([list(output.chunk(self.size()))], [input], AllgatherOptions()).wait()
+        self._collective(input, output, torch.cat)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        me, n = self.rank(), self.size()
+        self._collective(input, output, lambda posts: torch.cat([p.chunk(n)[me] for p in posts]))
+
+    def _collective(
+        self, mine: torch.Tensor, output: torch.Tensor, combine: Callable[[list[torch.Tensor]], torch.Tensor]
+    ) -> None:
+        """``combine`` of every peer's ``mine`` (in group order: the same bits on every rank); zeros if it failed."""
+        posts = self._exchange(mine)
+        if posts is None:
+            output.zero_()
+        else:
+            output.copy_(combine(posts))
+
+    # ---- The store ----
+
+    def _ask(self) -> tuple[int, list[dict]] | Exception:
+        """The first rank's QUORUM: claim a place in the open quorum until one closes with this group in it; an
+        error is returned (the group's other ranks raise it too)."""
+        claim = Claim(self.group, self.launch, self.count, self.lineage)
+        try:
+            while True:
+                quorum = int(self.store.add("open", 0))
+                slot = self.store.add(f"q{quorum}/claims", 1)
+                self.store.set(f"q{quorum}/claim{slot}", json.dumps(asdict(claim)))
+                members = self._close(quorum)
+                mine = [c for c in members if c.group == self.group]
+                if (mine and mine[0].launch != self.launch) or self._superseded(self.group, self.launch):
+                    return ConfigError(
+                        f"hf_fedshard: fed_group_id={self.group} is claimed by another launch (two launches of one "
+                        "group id, or this one was restarted while it ran). Give each launch its own fed_group_id."
+                    )
+                if mine:
+                    return quorum, [asdict(c) for c in members]
+                self.store.compare_set("open", str(quorum), str(quorum + 1))  # it closed without us: the next one
+        except (dist.DistError, TimeoutError) as err:
+            cause = str(err).splitlines()[0][:300]
+            return RuntimeError(f"hf_fedshard: fed_group{self.group} got no quorum of the federation: {cause}")
+
+    def _close(self, quorum: int) -> list[Claim]:
+        """The quorum's members once it closed (see the module docstring for when), closing it if this rank may."""
+        expected = set(self._members_of(quorum - 1)) if quorum > 0 else set()
+        start, first = self._clock(), None
+        while not self.store.check([f"q{quorum}/members"]):
+            claims = [c for c in self._claims(quorum) if not self._superseded(c.group, c.launch)]
+            latest = {c.group: c for c in sorted(claims, key=lambda c: c.launch)}
+            claimed = {(c.group, c.launch) for c in claims}
+            alive = {e for e in expected if not self._superseded(*e)}
+            now = self._clock()
+            first = now if first is None and alive & claimed else first
+            if (
+                len(latest) >= self.num_groups
+                or (alive and alive <= claimed)
+                or (not alive and now - start >= self.join_timeout_s)
+                or (first is not None and now - first >= self.timeout_s)
+            ):
+                members = json.dumps([asdict(c) for c in sorted(latest.values(), key=lambda c: c.group)])
+                self.store.compare_set(f"q{quorum}/members", "", members)
+                break
+            if first is None and now - start >= self.timeout_s:
+                raise TimeoutError(f"no group of the last quorum asked for the next within {self.timeout_s:g} s")
+            self._sleep(self._poll)
+        self.store.compare_set("open", str(quorum), str(quorum + 1))
+        return [Claim(**c) for c in json.loads(self.store.get(f"q{quorum}/members"))]
+
+    def _claims(self, quorum: int) -> list[Claim]:
+        slots = self.store.add(f"q{quorum}/claims", 0)
+        return [Claim(**json.loads(self.store.get(f"q{quorum}/claim{s}"))) for s in range(1, slots + 1)]
+
+    def _members_of(self, quorum: int) -> list[tuple[int, int]]:
+        if not self.store.check([f"q{quorum}/members"]):
+            return []
+        return [(c["group"], c["launch"]) for c in json.loads(self.store.get(f"q{quorum}/members"))]
+
+    def _superseded(self, group: int, launch: int) -> bool:
+        """A later launch of ``group`` started: ``launch`` is dead (or must stop, I6)."""
+        return self.store.add(f"group{group}/launches", 0) > launch
+
+    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """EXCHANGE: every peer's ``tensor`` of this operation, in group order; ``None`` if one failed (the round's
+        vote is then no)."""
+        if self.error is not None or not self.members:
+            return None
+        key = f"q{self.quorum}/op{next(self._ops)}/{self.position}"
+        try:
+            self._post(f"{key}/{self.group}", _encode(tensor))
+            keys = [f"{key}/{c.group}" for c in self.members]
+            if self._wait(keys):
+                return [_decode(self.store.get(k), tensor) for k in keys]
+            self.error = f"a peer of quorum {self.quorum} was silent for {self.timeout_s:g} s or restarted"
+        except dist.DistError as err:
+            self.error = str(err).splitlines()[0]
+        return None
+
+    def _take(self, source: Claim, target: tuple[int, int]) -> None:
+        """HEAL: the source group's committed state at this rank's shard position; the group raises on every rank
+        if one of them could not read it (half a group healed would average two models)."""
+        key = f"q{self.quorum}/state/{self.position}"
+        try:
+            state = torch.load(io.BytesIO(self.store.get(key)), weights_only=False) if self._wait([key]) else None
+        except dist.DistError:
+            state = None
+        if self._any_rank(state is None):
+            raise RuntimeError(
+                f"hf_fedshard: fed_group{self.group} could not heal from fed_group{source.group} (it left during the "
+                "copy): restart this group to heal again."
+            )
+        self.heal.receive(state)
+        (self.count, self.lineage), self.heals = target, self.heals + 1
+
+    def _wait(self, keys: list[str]) -> bool:
+        """Until every key is set: False after ``timeout_s``, or at once if a member of the quorum was superseded
+        or the federation moved on (a later quorum closed without this group, which was stopped meanwhile)."""
+        deadline = self._clock() + self.timeout_s
+        while not self.store.check(keys):
+            if self._clock() > deadline or any(self._superseded(c.group, c.launch) for c in self.members):
+                return False
+            if int(self.store.add("open", 0)) > self.quorum + 1:
+                return False
+            self._sleep(self._poll)
+        return True
+
+    def _post(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+        self._posted.append(key)
+
+    def _forget(self) -> None:
+        """Delete this rank's tensors of the quorum it leaves (every peer that voted has read them)."""
+        try:
+            for key in self._posted:
+                self.store.delete_key(key)
+        except dist.DistError:
+            pass  # the store is gone, and the keys with it: the quorum that follows says so
+        self._posted = []
 
 
 class StoreFederation:
-    """This launch's side: a gloo group per shard position across the groups, set up through the store."""
+    """This launch's side over a `TCPStore`: a `StoreMembership` per rank, its group's decisions shared over the
+    launch's own process group."""
 
     def __init__(self, request: FederationRequest) -> None:
         settings: StoreSettings = request.settings
         if not request.layout.equal:
             raise ConfigError("fed_transport store averages groups of equal size only. Drop the fed_group_size list.")
         host, port = settings.store.rsplit(":", 1)
-        timeout = timedelta(seconds=request.timeout_s)
-        self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-        self.group_id, self.num_groups, self.fingerprint = settings.group_id, settings.num_groups, request.fingerprint
-        self.position = dist.get_rank(request.group)  # this rank's place in its group: its peers share it
-        self.timeout, self.peers = timeout, GlooPeers(self.group_id, self.num_groups)
-        self.heal, self.votes = request.heal, 0
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=request.timeout_s))
+        self.store, self.group, self.fingerprint = store, request.group, request.fingerprint
+        self.membership = StoreMembership(
+            store, group_id=settings.group_id, num_groups=settings.num_groups, heal=request.heal,
+            timeout_s=request.timeout_s, position=dist.get_rank(request.group),
+            positions=dist.get_world_size(request.group), share=self._share, any_rank=self._any_rank,
+        )  # fmt: skip
         self.communicator = FederationCommunicator(
-            peers=self.peers, control=GroupThenPeers(request.group, self.peers),
-            hsdp_replicas=request.launch.replicas, timeout=request.timeout, membership=self,
+            peers=self.membership, control=GroupThenPeers(request.group, self.membership),
+            hsdp_replicas=request.launch.replicas, timeout=request.timeout, membership=self.membership,
         )  # fmt: skip
 
-    def join(self, averagings: int) -> None:
-        """Every group present, with the same settings and averaging count (their fingerprints through the store);
-        then the peers' process group (its set-up is the first collective)."""
-        self.store.set(f"member{self.group_id}/{self.position}", json.dumps([self.fingerprint, averagings]))
-        keys = [f"member{g}/{self.position}" for g in range(self.num_groups)]
-        self.store.wait(keys)
-        members = [json.loads(self.store.get(key)) for key in keys]
-        differ = [g for g, member in enumerate(members) if member != members[self.group_id]]
+    def join(self, averagings: int) -> Round:
+        """Meet the others (a group behind heals here), having posted this group's settings; a group whose settings
+        differ from those of a group of its first quorum is refused (on both sides: each reads the other's)."""
+        group = self.membership.group
+        self.store.set(f"settings/{group}", self.fingerprint)
+        joined = self.membership.join(averagings)
+        differ = [
+            c.group
+            for c in self.membership.members
+            if self.store.get(f"settings/{c.group}") != self.store.get(f"settings/{group}")
+        ]
         if differ:
             raise ConfigError(
-                f"fed_transport store: fed_group{self.group_id} met group(s) {differ} with other settings or another "
-                "averaging count. Launch every group with the same settings, from the same checkpoint step."
+                f"fed_transport store: fed_group{group} met group(s) {differ} with other settings. Launch every group "
+                "with the same settings."
             )
-        peers_store = dist.PrefixStore(f"peers{self.position}", self.store)
-        self.peers.pg = dist.ProcessGroupGloo(peers_store, self.peers.rank(), self.peers.size(), self.timeout)
-
-    # ---- Membership (`hf_fedshard.engine.communicator`): a round commits when every group voted for it ----
-
-    def commit(self) -> bool:
-        """This rank's collectives succeeded (a failed one raised): vote, and wait for its peers' votes."""
-        self.votes += 1
-        self.store.set(f"vote{self.votes}/{self.group_id}/{self.position}", "yes")
-        keys = [f"vote{self.votes}/{g}/{self.position}" for g in range(self.num_groups)]
-        self.store.wait(keys)
-        return all(self.store.get(key) == b"yes" for key in keys)
-
-    def next_round(self) -> Round:
-        return Round(healed=False, changed=False)  # the same quorum: every group, none behind
-
-    def metrics(self) -> dict[str, float]:
-        return {"fed_groups_in_quorum": self.num_groups}
+        return joined
 
     def dropped_groups(self) -> list[int]:
-        return []  # a fixed federation: no group leaves without stopping the others
+        return []  # said in the logs instead: fed_groups_in_quorum
 
     def shutdown(self) -> None:
-        """The peers' process group ends with the process."""
+        """This launch's posts stay until the store's host ends (the others may still read its last vote)."""
+
+    def _share(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _any_rank(self, flag: bool) -> bool:
+        value = torch.tensor([float(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
 
 
 register_transport(

@@ -1,6 +1,8 @@
 """The elastic round protocol (`hf_fedshard.engine.rounds`) under fault schedules on a fake clock: the real engine in
-every group, torchft's semantics in a fake lighthouse (`hf_fedshard.transports.simulated`), a seeded scheduler.
-Each schedule must end with every group on one model and one averaging count (`tests.round_world.World.check`).
+every group, a seeded scheduler, and each of two memberships (`tests.round_world.BACKENDS`): torchft's semantics in a
+fake lighthouse (`hf_fedshard.transports.simulated`), and the membership of the transport written outside the
+package (`tests.store_transport`) over a simulated store. Each schedule must end with every group on one model and
+one averaging count (`tests.round_world.World.check`).
 
 The three named schedules are the failures met with real launches (issue 30); the property test draws kills,
 restarts after any delay, stops, rounds that do not commit and staggered full resumes from seeds."""
@@ -11,37 +13,41 @@ import random
 
 import pytest
 
-from ..round_world import HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S, STEP_S, STEPS, TIMEOUT_S, World
+from ..round_world import BACKENDS, HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S, STEP_S, STEPS, TIMEOUT_S, World
 
 NO_QUORUM = "got no quorum of the federation"
+backends = pytest.mark.parametrize("backend", list(BACKENDS))
 
 
-def test_a_fast_restart_heals_in_phase():
+@backends
+def test_a_fast_restart_heals_in_phase(backend):
     """Failure 1: a group killed at step 10 and back 0.5 s later, before the quorum without it formed: it heals
     from the state its peer committed at step 8 (not from the peer's step-12 state while that round is redone),
     trains 9–12 and averages with it at 12."""
-    world = World(seed=1, groups=2)
+    world = World(seed=1, groups=2, backend=backend)
     for g in range(2):
         world.start(g)
     world.kill(1, at=10.5 * STEP_S, restart_after=0.5)
     world.run().check()
 
 
-def test_a_group_restarted_while_its_dead_launch_is_still_known_joins():
+@backends
+def test_a_group_restarted_while_its_dead_launch_is_still_known_joins(backend):
     """Failure 2: the new launch of group 2 arrives while the lighthouse still knows the dead one (its heartbeats
     have not timed out): the dead launch is not counted as a second claim of fed_group_id=2."""
-    world = World(seed=2, groups=3)
+    world = World(seed=2, groups=3, backend=backend)
     for g in range(3):
         world.start(g)
     world.kill(2, at=6.2 * STEP_S, restart_after=HEARTBEAT_TIMEOUT_S / 5)
     world.run().check()
 
 
-def test_a_full_resume_with_staggered_starts_averages_together():
+@backends
+def test_a_full_resume_with_staggered_starts_averages_together(backend):
     """Failure 3: the lighthouse is lost after checkpoint-16; every group fails at its next quorum; all restart
     from checkpoint-16 0, 5 and 10 s apart. The norms saved for 3 groups meet smaller quorums (not published, I5),
     and the first groups wait for the others (up to fed_timeout_s) instead of averaging apart."""
-    world = World(seed=3, groups=3)
+    world = World(seed=3, groups=3, backend=backend)
     for g in range(3):
         world.start(g)
     world.lose_lighthouse(at=17.5 * STEP_S)
@@ -49,12 +55,24 @@ def test_a_full_resume_with_staggered_starts_averages_together():
     world.run().check(allowed_errors=(NO_QUORUM,))
 
 
-def schedule(seed: int) -> tuple[World, tuple[str, ...]]:
+@backends
+def test_a_group_back_right_after_step_0s_averaging_heals_with_every_part_of_the_state(backend):
+    """Group 1 votes in step 0's averaging and dies before the others form the next quorum; its new launch joins
+    that quorum and heals from group 0's snapshot of step 0's commit, which holds the averager's part (registered
+    before that round, not after it) and, once applied, is what group 0 serves next (I1)."""
+    world = World(seed=82, groups=2, backend=backend)
+    world.start(1)
+    world.start(0, at=2.31)
+    world.kill(1, at=2.49, restart_after=0.06)
+    world.run().check()
+
+
+def schedule(seed: int, backend: str = "lighthouse") -> tuple[World, tuple[str, ...]]:
     """A seeded fault schedule: one to three kills (each restarted after 0–10 s), stops shorter than the timeout,
     rounds that do not commit (one rank votes no), or a lost lighthouse and a staggered full resume."""
     rng = random.Random(seed)
     groups = rng.choice([2, 3, 4])
-    world = World(seed=seed, groups=groups)
+    world = World(seed=seed, groups=groups, backend=backend)
     for g in range(groups):
         world.start(g, at=rng.choice([0.0, 0.0, rng.uniform(0, JOIN_TIMEOUT_S)]))
     kind = rng.choice(["kills", "kills", "stops", "votes", "resume"])
@@ -77,9 +95,10 @@ def schedule(seed: int) -> tuple[World, tuple[str, ...]]:
 CHECKPOINT_S = 8 * STEP_S
 
 
+@backends
 @pytest.mark.parametrize("block", range(4))
-def test_every_group_ends_on_one_model_whatever_the_faults(block):
+def test_every_group_ends_on_one_model_whatever_the_faults(block, backend):
     """300 seeded schedules (4 blocks of 75): each ends with every group on one model and one averaging count."""
     for seed in range(block * 75, (block + 1) * 75):
-        world, allowed = schedule(seed)
+        world, allowed = schedule(seed, backend)
         world.run().check(allowed_errors=allowed)
