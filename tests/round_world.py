@@ -49,7 +49,8 @@ class SimulatedStore:
 
     def get(self, key: str) -> bytes:
         self._call(write=False)
-        if not self.sim.wait_until(lambda: key in self.data or self.lost, self.timeout_s) or self.lost:
+        ready = key in self.data or self.sim.wait_until(lambda: key in self.data or self.lost, self.timeout_s)
+        if not ready or self.lost:
             raise dist.DistStoreError(f"wait timeout after {self.timeout_s:g}s, keys: {key}")
         return self.data[key]
 
