@@ -150,11 +150,13 @@ class Finished:
 
 @dataclass
 class World:
-    """``groups`` groups of one rank on a fake clock, seeded, meeting through ``backend`` (a `BACKENDS` name)."""
+    """``groups`` groups of one rank training ``steps`` steps on a fake clock, seeded, meeting through ``backend`` (a
+    `BACKENDS` name)."""
 
     seed: int
     groups: int = 3
     backend: str = "lighthouse"
+    steps: int = STEPS
     sim: Simulation = field(init=False)
     launches: list[Launch] = field(default_factory=list)
     finished: list[Finished] = field(default_factory=list)
@@ -289,11 +291,11 @@ class World:
             averager.load_state_dict(copy.deepcopy(checkpoint["averager"]))
         else:
             averager = FederatedAverager(model, optimizer, communicator=comm, sync_steps=H)
-        while position["step"] < STEPS:
+        while position["step"] < self.steps:
             self.sim.sleep(STEP_S)
             position["step"] += 1
             train_step(model, optimizer, group, position["step"])
-            averager.step(last=position["step"] == STEPS)
+            averager.step(last=position["step"] == self.steps)
             if position["step"] % CHECKPOINT_EVERY == 0:
                 self.checkpoints.setdefault(group, {})[position["step"]] = {
                     "step": position["step"],

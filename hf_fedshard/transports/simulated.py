@@ -52,6 +52,7 @@ class _Thread:
     ready: Callable[[], bool] = lambda: True
     deadline: float | None = None
     stopped_until: float = 0.0
+    stopped_at: float = 0.0
     killed: bool = False
     done: bool = False
 
@@ -103,7 +104,7 @@ class Simulation:
         thread.killed = True
 
     def stop(self, thread: _Thread, seconds: float) -> None:
-        thread.stopped_until = self.now + seconds
+        thread.stopped_at, thread.stopped_until = self.now, self.now + seconds
 
     def run(self, until: float) -> None:
         """Schedule until every launch ended and no event is left (or ``until`` fake seconds)."""
@@ -178,7 +179,8 @@ class Quorum:
 
 class FakeLighthouse:
     """torchft's Lighthouse, in the scheduler's terms: it forms a quorum of the launches that asked once every
-    launch it knows has asked, or ``join_timeout_s`` after the first asked; a launch is known from its first request
+    launch it knows has asked, or ``join_timeout_s`` after the first asked, and only of more than half of the
+    launches it knows (so two halves of a federation never average apart); a launch is known from its first request
     until ``heartbeat_timeout_s`` after it died or stopped."""
 
     def __init__(self, sim: Simulation, join_timeout_s: float, heartbeat_timeout_s: float) -> None:
@@ -194,11 +196,17 @@ class FakeLighthouse:
         return thread is not None and not thread.killed and not thread.done and thread.stopped_until <= self.sim.now
 
     def known(self, launch: Launch) -> bool:
+        """Alive, or silent (dead, stopped) for less than the heartbeat timeout: torchft's healthy replicas."""
         if self.alive(launch):
             return True
         thread = launch.thread
-        since = launch.died_at if launch.died_at is not None else (thread.stopped_until if thread else 0.0)
-        return since is not None and self.sim.now - since < self.heartbeat_timeout_s
+        if launch.died_at is not None:
+            since = launch.died_at
+        elif thread is not None and thread.stopped_until > self.sim.now:
+            since = thread.stopped_at
+        else:
+            return False  # ended (its heartbeats stopped with it) or not started
+        return self.sim.now - since < self.heartbeat_timeout_s
 
     def ask(self, launch: Launch, count: tuple[int, int]) -> None:
         self.formed.pop(launch.id, None)
@@ -214,7 +222,10 @@ class FakeLighthouse:
         asking = [(a, c, t) for a, c, t in self.asked.values() if self.known(a)]
         if not asking:
             return
-        everyone = all(x.id in self.asked for x in self.launches if self.known(x))
+        healthy = [x for x in self.launches if self.known(x)]
+        if len(asking) <= len(healthy) // 2:
+            return  # torchft's split-brain rule: a quorum needs more than half of the healthy launches
+        everyone = all(x.id in self.asked for x in healthy)
         if not everyone and self.sim.now - min(t for _, _, t in asking) < self.join_timeout_s:
             return
         members = tuple(sorted((a for a, _, _ in asking), key=lambda a: (a.group, a.id)))
@@ -304,21 +315,30 @@ class SimulatedFederation:
         table[me.id] = value
         members = quorum.members
 
+        def gone(m: Launch) -> bool:
+            """Dead, or on to a later quorum (asking for one, or in one): its process group of this one is closed,
+            so the wait fails at once."""
+            if not self.lighthouse.alive(m) and m.died_at is not None:
+                return True
+            later = m.federation.quorum is not None and m.federation.quorum.id > quorum.id
+            return later or m.id in self.lighthouse.asked
+
         def settled() -> bool:
-            return len(table) == len(members) or any(not self.lighthouse.alive(m) and m.died_at for m in members)
+            return len(table) == len(members) or any(gone(m) for m in members)
 
         self.sim.wait_until(settled, self.timeout_s)
         if len(table) == len(members):
             return [table[m.id] for m in members]
-        gone = [m.group for m in members if m.died_at is not None]
-        self.error = f"{'a member died' if gone else 'timed out'} at {key} (quorum {quorum.id})"
+        left = [m.group for m in members if gone(m)]
+        self.error = f"{'a member left' if left else 'timed out'} at {key} (quorum {quorum.id})"
         return None
 
     # ---- Membership ----
 
     def commit(self) -> bool:
-        """Every member votes; committed iff every one voted yes (torchft's should_commit)."""
-        votes = self._meet(("vote", next(self._ops)), self.error is None) if self.quorum is not None else None
+        """Every member votes, once per quorum (a quorum holds one round); committed iff every one voted yes
+        (torchft's should_commit). Not keyed by the operation count: a member whose collective failed skips the rest."""
+        votes = self._meet(("vote",), self.error is None) if self.quorum is not None else None
         committed = votes is not None and all(votes)
         if committed:
             groups = tuple(m.group for m in self.quorum.members)
