@@ -43,11 +43,13 @@ class FedAvgCallback(TrainerCallback):
         self.communicator, self.options, self.before_eval = communicator, options, before_eval
         self.averager: FederatedAverager | None = None
         self._resume_state: dict | None = None  # a checkpoint's, until on_train_begin builds the averager
+        self._resume_committed = False  # that state is a live group's committed one (a heal at launch)
 
-    def load_state_dict(self, state: dict) -> None:
-        """Keep a checkpoint's averaging state (`FederatedAverager.state_dict`, ``step`` aside) for the averager."""
+    def load_state_dict(self, state: dict, committed: bool = False) -> None:
+        """Keep a checkpoint's averaging state (`FederatedAverager.state_dict`, ``step`` aside) for the averager;
+        ``committed``: it is a live group's committed state (a heal at launch), which becomes this group's own."""
         check_state({**state, "step": 0}, self.options.schedule)
-        self._resume_state = state
+        self._resume_state, self._resume_committed = state, committed
 
     @property
     def settings_history(self) -> History:
@@ -86,6 +88,9 @@ class FedAvgCallback(TrainerCallback):
                     "state; resume a federated run with FedShardTrainer.train(resume_from_checkpoint=...)."
                 )
             self.averager.load_state_dict({**self._resume_state, "step": state.global_step})
+            membership = self.averager.comm.membership
+            if self._resume_committed and membership is not None:  # I1: a group joining next may heal from this one
+                membership.heal.commit()
         self._resume_state = None
 
     def _before_eval(self) -> None:

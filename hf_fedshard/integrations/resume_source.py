@@ -58,6 +58,7 @@ class ResumeSource(ABC):
     """A run's state before it trains: a checkpoint on this layout, one of another layout, or a live peer's."""
 
     folder: str | None  # the checkpoint's folder, whose trainer_state.json, RNG and scaler files Trainer reads
+    committed = False  # a live group's committed state: once loaded, this group's own (it may be a heal's source)
 
     @property
     @abstractmethod
@@ -221,6 +222,7 @@ class LivePeer(ResumeSource):
     group_id: int
     accumulation: int
     folder: None = None
+    committed = True
 
     def __str__(self) -> str:
         return f"a live peer's state of step {self.step}"

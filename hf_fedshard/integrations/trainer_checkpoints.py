@@ -142,7 +142,7 @@ class CheckpointMixin(Trainer):
 
         def load() -> None:
             source.load_model(model, self._group_pg)
-            self.fed_callback.load_state_dict(source.averaging_state(model, self._group_pg))
+            self.fed_callback.load_state_dict(source.averaging_state(model, self._group_pg), source.committed)
 
         load_on_every_rank(str(source), load)
 
