@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,13 +36,14 @@ HEAL_LOST = "could not heal from"  # a heal whose source died during the copy (t
 
 
 class SimulatedStore:
-    """The key-value calls of a `TCPStore` (`tests.store_transport.KeyValue`) on the simulator: every write is a
-    point where another launch may run (reads between two writes see what those writes left, whoever runs);
+    """The key-value calls of a `TCPStore` (`tests.store_transport.KeyValue`) on the simulator: every write, and
+    one read in four, is a point where another launch may run (and where a pending kill may land);
     ``get`` of a missing key waits (as TCPStore's does) up to the timeout; a lost store fails every call, as a dead
     store host does."""
 
     def __init__(self, sim: Simulation, timeout_s: float) -> None:
         self.sim, self.timeout_s, self.data, self.lost = sim, timeout_s, {}, False
+        self._reads = random.Random(sim.rng.random())  # which reads are scheduling points too
 
     def set(self, key: str, value: str | bytes) -> None:
         self._call()
@@ -75,7 +77,7 @@ class SimulatedStore:
         return self.data.pop(key, None) is not None
 
     def _call(self, write: bool = True) -> None:
-        if write:
+        if write or self._reads.random() < 0.25:
             self.sim.point()
         if self.lost:
             raise dist.DistStoreError("the store's host is gone")
@@ -165,6 +167,7 @@ class World:
 
     def __post_init__(self) -> None:
         self.sim = Simulation(self.seed)
+        self._faults = random.Random(self.seed + 1_000_003)
         self.meeting = BACKENDS[self.backend](self.sim)
         self._ids = itertools.count()
 
@@ -178,13 +181,17 @@ class World:
         """SIGKILL ``group``'s live launch at ``at``; start it again afresh ``restart_after`` seconds later."""
 
         def kill() -> None:
-            victims = self.live(group)
-            for launch in victims:
-                self.sim.kill(launch.thread)
-                launch.died_at = self.sim.now
-                self.log.append(f"{self.sim.now:.2f} kill group {group} launch {launch.id}")
-            if victims and restart_after is not None:
-                self.start(group, self.sim.now + restart_after)
+            for i, launch in enumerate(self.live(group)):
+                restart = restart_after if i == 0 else None  # one restart per group, as torchrun's
+
+                def died(launch: Launch = launch, restart: float | None = restart) -> None:
+                    launch.died_at = self.sim.now
+                    self.log.append(f"{self.sim.now:.2f} kill group {group} launch {launch.id}")
+                    if restart is not None:
+                        self.start(group, self.sim.now + restart)
+
+                # at once, or between two of its next store calls or collectives (drawn apart from the scheduler)
+                self.sim.kill(launch.thread, after_points=self._faults.choice([0, 0, 1, 2, 3]), then=died)
 
         self.sim.at(at, kill)
 

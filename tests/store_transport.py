@@ -126,21 +126,17 @@ class StoreMembership:
         poll_s: float = POLL_S,
     ) -> None:
         self.store, self.group, self.num_groups, self.heal = store, group_id, num_groups, heal
-        self.position, self.positions, self.timeout_s, self.join_timeout_s = (
-            position,
-            positions,
-            timeout_s,
-            join_timeout_s,
-        )
+        self.position, self.positions = position, positions  # this rank's shard position in its group, of how many
+        self.timeout_s, self.join_timeout_s, self._poll = timeout_s, join_timeout_s, poll_s
         self._share, self._any_rank, self._clock, self._sleep = share, any_rank, clock, sleep
-        self._poll = poll_s
         self.launch = share(store.add(f"group{group_id}/launches", 1) if position == 0 else None)
         self.count = self.lineage = self.heals = 0
         self.quorum, self.members = -1, ()  # the current quorum's number and its claims, by group
         self.error: str | None = None  # why a collective of this round failed (the vote is then no)
         self.commits: list[tuple[int, tuple[int, ...]]] = []  # (quorum, its groups) of every round committed
         self._ops, self._votes = itertools.count(), itertools.count()
-        self._posted: list[str] = []  # this rank's keys of the current quorum, deleted when it moves on
+        self._posted: list[str] = []  # this rank's tensors of the current quorum, deleted when it moves on
+        self._states: list[list[str]] = [[], []]  # its heal states of the last two quorums (a healer may be slow)
 
     # ---- Membership (`hf_fedshard.engine.communicator`) ----
 
@@ -152,19 +148,19 @@ class StoreMembership:
 
     def next_round(self) -> Round:
         """QUORUM, and HEAL if this group is not on the quorum's lead."""
-        self._forget()
+        self._leave()
         decided = self._share(self._ask() if self.position == 0 else None)
-        if isinstance(decided, Exception):  # the first rank's, raised on every rank of the group
+        if isinstance(decided, Exception):  # the first rank's error (returned, not raised), raised by every rank
             raise decided
         previous = [(c.group, c.launch) for c in self.members]
-        self.quorum, self.members = decided[0], tuple(Claim(**c) for c in decided[1])
+        self.quorum, self.members = decided
         self._ops, self._votes, self.error = itertools.count(), itertools.count(), None
         changed = previous != [(c.group, c.launch) for c in self.members]
         target = lead([(c.group, c.count, c.lineage) for c in self.members])
         source = next(c for c in self.members if (c.count, c.lineage) == target)
         if (self.count, self.lineage) == target:
             if source.group == self.group and any((c.count, c.lineage) != target for c in self.members):
-                self._post(f"q{self.quorum}/state/{self.position}", _pickle(self.heal.committed()))
+                self._send_state()
             return Round(healed=False, changed=changed)
         self._take(source, target)
         return Round(healed=True, changed=changed)
@@ -176,7 +172,7 @@ class StoreMembership:
         try:  # a vote stays in the store: a peer may read it after this rank moved on
             self.store.set(f"{key}/{self.group}.{self.position}", b"1" if self.error is None else b"0")
             keys = [f"{key}/{c.group}.{p}" for c in self.members for p in range(self.positions)]
-            seen = self._wait(keys) and all(self.store.get(k) == b"1" for k in keys)
+            seen = self._wait(keys, self._member_gone) and all(self.store.get(k) == b"1" for k in keys)
         except dist.DistError:
             seen = False
         if self._any_rank(not seen):
@@ -220,9 +216,9 @@ class StoreMembership:
 
     # ---- The store ----
 
-    def _ask(self) -> tuple[int, list[dict]] | Exception:
-        """The first rank's QUORUM: claim a place in the open quorum until one closes with this group in it; an
-        error is returned (the group's other ranks raise it too)."""
+    def _ask(self) -> tuple[int, tuple[Claim, ...]] | Exception:
+        """The first rank's QUORUM: claim a place in the open quorum until one closes with this group in it: its
+        number and members. An error is returned, to be raised by every rank of the group (`next_round`)."""
         claim = Claim(self.group, self.launch, self.count, self.lineage)
         try:
             while True:
@@ -237,7 +233,7 @@ class StoreMembership:
                         "group id, or this one was restarted while it ran). Give each launch its own fed_group_id."
                     )
                 if mine:
-                    return quorum, [asdict(c) for c in members]
+                    return quorum, tuple(members)
                 self.store.compare_set("open", str(quorum), str(quorum + 1))  # it closed without us: the next one
         except (dist.DistError, TimeoutError) as err:
             cause = str(err).splitlines()[0][:300]
@@ -254,12 +250,11 @@ class StoreMembership:
             alive = {e for e in expected if not self._superseded(*e)}
             now = self._clock()
             first = now if first is None and alive & claimed else first
-            if (
-                len(latest) >= self.num_groups
-                or (alive and alive <= claimed)
-                or (not alive and now - start >= self.join_timeout_s)
-                or (first is not None and now - first >= self.timeout_s)
-            ):
+            every_group = len(latest) >= self.num_groups
+            every_member_back = bool(alive) and alive <= claimed  # the last quorum's launches alive: newcomers ride
+            first_quorum_waited = not alive and now - start >= self.join_timeout_s
+            a_member_silent = first is not None and now - first >= self.timeout_s  # one of them died
+            if every_group or every_member_back or first_quorum_waited or a_member_silent:
                 members = json.dumps([asdict(c) for c in sorted(latest.values(), key=lambda c: c.group)])
                 self.store.compare_set(f"q{quorum}/members", "", members)
                 break
@@ -270,8 +265,9 @@ class StoreMembership:
         return [Claim(**c) for c in json.loads(self.store.get(f"q{quorum}/members"))]
 
     def _claims(self, quorum: int) -> list[Claim]:
-        slots = self.store.add(f"q{quorum}/claims", 0)
-        return [Claim(**json.loads(self.store.get(f"q{quorum}/claim{s}"))) for s in range(1, slots + 1)]
+        """The claims written so far (a slot taken by a launch killed before it wrote its claim stays empty)."""
+        keys = [f"q{quorum}/claim{s}" for s in range(1, self.store.add(f"q{quorum}/claims", 0) + 1)]
+        return [Claim(**json.loads(self.store.get(key))) for key in keys if self.store.check([key])]
 
     def _members_of(self, quorum: int) -> list[tuple[int, int]]:
         if not self.store.check([f"q{quorum}/members"]):
@@ -291,9 +287,10 @@ class StoreMembership:
         try:
             self._post(f"{key}/{self.group}", _encode(tensor))
             keys = [f"{key}/{c.group}" for c in self.members]
-            if self._wait(keys):
+            if self._wait(keys, lambda: self._member_gone() or self._peer_left()):
                 return [_decode(self.store.get(k), tensor) for k in keys]
-            self.error = f"a peer of quorum {self.quorum} was silent for {self.timeout_s:g} s or restarted"
+            self.error = f"a peer of quorum {self.quorum} left, restarted or was silent for {self.timeout_s:g} s"
+            self.store.add(f"q{self.quorum}/left/{self.position}", 1)  # its peers waiting on this rank: fail now
         except dist.DistError as err:
             self.error = str(err).splitlines()[0]
         return None
@@ -303,8 +300,9 @@ class StoreMembership:
         if one of them could not read it (half a group healed would average two models)."""
         key = f"q{self.quorum}/state/{self.position}"
         try:
-            state = torch.load(io.BytesIO(self.store.get(key)), weights_only=False) if self._wait([key]) else None
-        except dist.DistError:
+            got = self._wait([key], lambda: self._superseded(source.group, source.launch))
+            state = torch.load(io.BytesIO(self.store.get(key)), weights_only=False) if got else None
+        except Exception:  # a store error or a torn state: the group decides together, below
             state = None
         if self._any_rank(state is None):
             raise RuntimeError(
@@ -314,26 +312,46 @@ class StoreMembership:
         self.heal.receive(state)
         (self.count, self.lineage), self.heals = target, self.heals + 1
 
-    def _wait(self, keys: list[str]) -> bool:
-        """Until every key is set: False after ``timeout_s``, or at once if a member of the quorum was superseded
-        or the federation moved on (a later quorum closed without this group, which was stopped meanwhile)."""
+    def _wait(self, keys: list[str], failed: Callable[[], bool]) -> bool:
+        """Until every key is set: False after ``timeout_s``, or as soon as ``failed()``."""
         deadline = self._clock() + self.timeout_s
         while not self.store.check(keys):
-            if self._clock() > deadline or any(self._superseded(c.group, c.launch) for c in self.members):
-                return False
-            if int(self.store.add("open", 0)) > self.quorum + 1:
+            if self._clock() > deadline or failed():
                 return False
             self._sleep(self._poll)
         return True
+
+    def _member_gone(self) -> bool:
+        """A member of the quorum was superseded: it died (its group restarted)."""
+        return any(self._superseded(c.group, c.launch) for c in self.members)
+
+    def _peer_left(self) -> bool:
+        """A peer at this shard position failed a collective of the round, or left the quorum (it was over for it):
+        what this rank waits for will not come."""
+        return self.quorum >= 0 and self.store.add(f"q{self.quorum}/left/{self.position}", 0) > 0
+
+    def _send_state(self) -> None:
+        """This group is the heal's source: its committed state at this rank's position, kept two quorums (a failed
+        copy is then the healer's alone to report: the group raises together in `_take`)."""
+        key = f"q{self.quorum}/state/{self.position}"
+        try:
+            self.store.set(key, _pickle(self.heal.committed()))
+            self._states[-1].append(key)
+        except dist.DistError as err:
+            self.error = str(err).splitlines()[0]  # the round then fails here too, and the next quorum tries again
 
     def _post(self, key: str, value: bytes) -> None:
         self.store.set(key, value)
         self._posted.append(key)
 
-    def _forget(self) -> None:
-        """Delete this rank's tensors of the quorum it leaves (every peer that voted has read them)."""
+    def _leave(self) -> None:
+        """Leave the current quorum: say so (a peer still waiting on this rank fails at once), delete this rank's
+        tensors (every peer that voted has read them) and its heal states of the quorum before."""
+        stale, self._states = self._states[0], [self._states[1], []]
         try:
-            for key in self._posted:
+            if self.quorum >= 0:
+                self.store.add(f"q{self.quorum}/left/{self.position}", 1)
+            for key in self._posted + stale:
                 self.store.delete_key(key)
         except dist.DistError:
             pass  # the store is gone, and the keys with it: the quorum that follows says so

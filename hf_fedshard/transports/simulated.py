@@ -54,6 +54,8 @@ class _Thread:
     stopped_until: float = 0.0
     stopped_at: float = 0.0
     killed: bool = False
+    kill_in: int = 0  # scheduling points left before a pending kill lands
+    on_death: Callable[[], None] | None = None
     done: bool = False
 
 
@@ -100,8 +102,17 @@ class Simulation:
         threading.Thread(target=body, name=name, daemon=True).start()
         return thread
 
-    def kill(self, thread: _Thread) -> None:
+    def kill(self, thread: _Thread, after_points: int = 0, then: Callable[[], None] | None = None) -> None:
+        """SIGKILL ``thread`` now, or as it passes its ``after_points``-th scheduling point from now (between two
+        calls of its own that nothing else separates); ``then`` runs at its death (e.g. schedules its restart)."""
+        thread.kill_in, thread.on_death = after_points, then
+        if after_points == 0:
+            self._die(thread)
+
+    def _die(self, thread: _Thread) -> None:
         thread.killed = True
+        if thread.on_death is not None:
+            thread.on_death()
 
     def stop(self, thread: _Thread, seconds: float) -> None:
         thread.stopped_at, thread.stopped_until = self.now, self.now + seconds
@@ -145,6 +156,10 @@ class Simulation:
         self._back.release()
         thread.go.acquire()
         thread.ready, thread.deadline = (lambda: True), None
+        if thread.kill_in > 0 and not thread.killed:
+            thread.kill_in -= 1
+            if thread.kill_in == 0:
+                self._die(thread)
         if thread.killed:
             raise Killed
         return ready()

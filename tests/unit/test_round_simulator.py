@@ -102,6 +102,22 @@ def test_two_halves_of_a_federation_never_average_apart(backend):
     world.run().check(allowed_errors=allowed)
 
 
+def test_a_claim_slot_left_empty_by_a_killed_launch_does_not_stop_the_quorum():
+    """The store membership claims a place in two calls (take a slot, write the claim): a launch killed between
+    them leaves a slot empty in the quorum the others are forming. They read the claims written, and average on."""
+    world = World(seed=5, groups=2, backend="store")
+    for g in range(2):
+        world.start(g)
+
+    def slot_taken_and_left_empty() -> None:  # on the scheduler's thread: the store's data, not its calls
+        data = world.meeting.store.data
+        slots = f"q{int(data.get('open', b'0'))}/claims"
+        data[slots] = str(int(data.get(slots, b"0")) + 1).encode()
+
+    world.sim.at(6.5 * STEP_S, slot_taken_and_left_empty)
+    world.run().check()
+
+
 CHECKPOINT_S = 8 * STEP_S
 
 
