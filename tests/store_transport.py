@@ -381,7 +381,8 @@ class StoreFederation:
 
     def join(self, averagings: int) -> Round:
         """Meet the others (a group behind heals here), having posted this group's settings; a group whose settings
-        differ from those of a group of its first quorum is refused (on both sides: each reads the other's)."""
+        differ from those of a group of its first quorum is refused there (a newcomer reads the running groups'
+        settings and stops; they go on)."""
         group = self.membership.group
         self.store.set(f"settings/{group}", self.fingerprint)
         joined = self.membership.join(averagings)
