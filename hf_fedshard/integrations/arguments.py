@@ -194,6 +194,13 @@ class FedShardArgumentsMixin:
                 self.max_steps,
             )
         self._note_pace_setters(options.speed_aware and layout.federated)
+        if layout.federated and self.auto_find_batch_size:
+            raise ConfigError(
+                "auto_find_batch_size halves the batch of the rank that ran out of memory, on that rank alone: its "
+                "group's other ranks (and the other groups, whose batch is the same setting) would then wait on "
+                "collectives it no longer runs. Turn --auto_find_batch_size off and set a "
+                "--per_device_train_batch_size that fits."
+            )
         if self.fed_eval_per_group and not layout.equal:
             raise ConfigError(
                 f"fed_eval_per_group gathers each group's metrics over rank r of every group, which groups of unequal "

@@ -219,6 +219,13 @@ def test_fed_timeout_must_be_positive(tmp_path, world4_no_setup, timeout):
         make_args(tmp_path, fed_timeout_s=timeout)
 
 
+def test_auto_find_batch_size_is_refused_in_a_federation_and_kept_without_one(tmp_path, world4_no_setup):
+    with pytest.raises(ConfigError, match=r"^auto_find_batch_size halves the batch of the rank that ran out of memory"):
+        make_args(tmp_path, auto_find_batch_size=True)
+    one_group = FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none", auto_find_batch_size=True)
+    assert one_group.auto_find_batch_size and not one_group.fed_layout.federated  # no federation: Trainer's own
+
+
 @pytest.mark.parametrize(("max_steps", "warns"), [(3, True), (8, False), (-1, False)])
 def test_max_steps_below_fed_sync_steps_warns(tmp_path, world4_no_setup, caplog, max_steps, warns):
     with caplog.at_level(logging.WARNING, logger="hf_fedshard"):
