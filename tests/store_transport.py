@@ -16,11 +16,13 @@ over a store on a fake clock (`tests.round_world.SimulatedStore`), under the sim
   a dead launch is noticed at once when its group restarts, and a live one superseded stops (I6).
 - EXCHANGE: every collective posts this rank's tensor under the quorum's next operation and reads its peers'
   (the same sum order on every rank, so every group holds the same bits); a peer that is silent for ``timeout_s``,
-  or superseded, fails the round (zeros, and a no vote).
+  superseded, or that said it failed or left the quorum (`q{Q}/left/{position}`), fails the round (zeros, and a no
+  vote).
 - COMMIT: every rank of every group of the quorum votes; a group takes a round only if all its ranks saw every
   vote yes.
 - HEAL: a group whose (averagings, lineage) is not the quorum's lead (`hf_fedshard.engine.rounds.lead`) reads the
-  committed state of the first group on it, shard position by shard position, from the store.
+  committed state of the first group on it, shard position by shard position, from the store (where it stays two
+  quorums); the copy fails only if that source died, and then on every rank of the group.
 
 Collectives through a store are slow: this is an example of the seam, not a transport for large models. Groups of
 equal size only. Use: ``import store_transport`` in the training script, then ``--fed_transport store
