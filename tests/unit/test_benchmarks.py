@@ -455,6 +455,18 @@ def test_speed_rounds_counts_only_the_tokens_each_group_trained():
     assert sr.round_plan(speed[1]["steps"][:5], 2) == [2, 1]  # a round cut short by the stop is left out
 
 
+def test_a_budget_reached_on_another_ranks_clock_is_read_at_the_evaluation_that_stopped_the_run():
+    """Rank 0's clock is 4.0 s at the stopping evaluation (step 4), rank 1's 4.2 s: a 4.1 s budget stopped the run
+    there (the slowest rank's clock reached it), and the target is read at that evaluation, not past the curve."""
+    records = sr_records(1.0, [[True] * 4] * 2, [0.5, 0.5], [0.5, 0.5])
+    for step in records[1]["steps"]:
+        step["train_clock_s"] += 0.2
+    fast = sr.run_summary(records, SR_CFG, limit_s=4.1)
+    assert sr.target_of(fast) == {"loss": SR_LOSSES[2], "tokens": 16}
+    records[1]["steps"][-1]["train_clock_s"] = 4.05  # no rank reached it: the budget did not stop this run
+    assert sr.run_summary(records, SR_CFG, limit_s=4.1)["loss_at_limit"] is None
+
+
 def test_speed_rounds_target_and_equal_tokens_are_read_between_the_same_evaluations():
     rep = sr_repetition()
     fast = rep["runs"][sr.FAST]
