@@ -48,7 +48,7 @@ def _taken() -> threading.Lock:
 @dataclass
 class _Thread:
     name: str
-    go: threading.Lock = field(default_factory=lambda: _taken())
+    go: threading.Lock = field(default_factory=_taken)
     ready: Callable[[], bool] = lambda: True
     deadline: float | None = None
     stopped_until: float = 0.0
