@@ -48,6 +48,7 @@ from hf_fedshard.engine.communicator import GroupThenPeers, Round
 from hf_fedshard.engine.rounds import HealState, join, lead, next_lineage
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.transports import FederationRequest, GroupLaunch, register_transport
+from hf_fedshard.transports.members import differing_settings
 
 POLL_S = 0.05  # how often a waiting rank reads the store again
 JOIN_TIMEOUT_S = 3.0  # how long the first quorum of a federation waits for the groups to start
@@ -388,15 +389,11 @@ class StoreFederation:
         group = self.membership.group
         self.store.set(f"settings/{group}", self.fingerprint)
         joined = self.membership.join(averagings)
-        differ = [
-            c.group
-            for c in self.membership.members
-            if self.store.get(f"settings/{c.group}") != self.store.get(f"settings/{group}")
-        ]
-        if differ:
+        texts = {f"fed_group{c.group}": self.store.get(f"settings/{c.group}").decode() for c in self.membership.members}
+        if len(set(texts.values())) > 1:
             raise ConfigError(
-                f"fed_transport store: fed_group{group} met group(s) {differ} with other settings. Launch every group "
-                "with the same settings."
+                f"fed_transport store: fed_group{group} met groups started with other settings: "
+                f"{differing_settings(texts)}. Launch every group with the same settings."
             )
         return joined
 
