@@ -83,7 +83,7 @@ class Reference:
         self.ranges, self.lr, self.momentum = RANGES[fragments], lr, momentum
         self.models, self.optimizers = zip(*(build(g) for g in range(GROUPS)), strict=True)
         self.averaged_at = [0] * fragments
-        self.flight: tuple | None = None  # (fragment, apply step, snapshots, means, diverged)
+        self.flight: tuple | None = None  # (fragment, apply step, snapshots, means, diverged, buffers' mean)
         self.delta_norm = self.drift = 0.0
         with torch.no_grad():
             for tensors in zip(*(self.state(g) for g in range(GROUPS)), strict=True):
@@ -170,17 +170,18 @@ class Reference:
         for k, i in enumerate(range(*self.ranges[fragment])):
             deltas = [self.deltas(g, i, snapshots[g][k], diverged) for g in range(GROUPS)]
             means.append((deltas[0] + deltas[1] + deltas[2]) / contributors)
+        stat = None  # the buffers' mean, of their values now, replaces them at the apply (an EMA keeps no progress)
         if fragment == len(self.ranges) - 1:
             stats = [torch.zeros(2) if g in diverged else self.models[g].stat for g in range(GROUPS)]
-            mean = (stats[0] + stats[1] + stats[2]) / contributors
-            for g in range(GROUPS):
-                self.models[g].stat.copy_(mean)
-        self.flight = (fragment, step + self.schedule.overlap, snapshots, means, diverged)
+            stat = (stats[0] + stats[1] + stats[2]) / contributors
+        self.flight = (fragment, step + self.schedule.overlap, snapshots, means, diverged, stat)
 
     @torch.no_grad()
     def apply(self) -> None:
-        fragment, _, snapshots, means, diverged = self.flight
+        fragment, _, snapshots, means, diverged, stat = self.flight
         self.flight = None
+        for g in range(GROUPS if stat is not None else 0):
+            self.models[g].stat.copy_(stat)
         for k, i in enumerate(range(*self.ranges[fragment])):
             self.outer_step(i, means[k])
             for g in range(GROUPS):

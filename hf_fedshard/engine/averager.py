@@ -21,11 +21,10 @@ next exchange's agreement (it sent a finite Δ to this one), and restarts when t
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from typing import Any, TypeVar
 
 import torch
@@ -42,7 +41,7 @@ from hf_fedshard.engine.fragments import Fragment, fragment_ranges
 from hf_fedshard.engine.observer import AveragingObserver
 from hf_fedshard.engine.options import AveragingOptions, averaging_options
 from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat, outer_state_device
-from hf_fedshard.engine.overlap import InFlight, Worker
+from hf_fedshard.engine.overlap import Begun, InFlight, Outcome, Worker, exchanged
 from hf_fedshard.engine.payload import (
     Address,
     all_finite,
@@ -59,28 +58,13 @@ from hf_fedshard.engine.pieces import PieceExchange
 from hf_fedshard.engine.resumable import check_state, continue_history
 from hf_fedshard.engine.rounds import run_round
 from hf_fedshard.engine.settings_history import History, history_from_state, history_to_state
-from hf_fedshard.engine.speed import RoundPlan, RoundSpeeds
+from hf_fedshard.engine.speed import RoundPlan, RoundReport
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.notices import notice
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-@dataclass
-class _Exchanged:
-    """What a blocking averaging's collectives returned, before anything is applied."""
-
-    diverged: list[int]
-    published: tuple[float, float] | None  # the previous averaging's norms, from this one's control all-reduce
-    speeds: RoundSpeeds | None  # a speed-aware round's agreed reports
-    contribute: bool
-    contributors: float
-    deltas: list[list[torch.Tensor]]  # per fragment, this rank's Δ as sent
-    means: list[list[torch.Tensor]]  # per fragment, the mean Δ
-    plain: list[torch.Tensor]  # the plain means of the rest of the payload
-    sent: int
 
 
 class FederatedAverager:
@@ -202,8 +186,8 @@ class FederatedAverager:
         """`step`'s work once the step is counted: apply, start or run the averaging the schedule gives for it."""
         step = self.step_count
         flight = self._in_flight()
-        if flight is not None and flight.in_flight.apply_step == step:
-            self._apply(flight)
+        if flight is not None and flight.in_flight.begun.apply_step == step:
+            self._land(flight)
         fragment = self.schedule.starting(step)
         if fragment is None and not last:
             return
@@ -215,7 +199,7 @@ class FederatedAverager:
             elif self.fragments[fragment].averaged_at < step:
                 self._average([fragment])
             return
-        self._start(self.fragments[fragment])
+        self._begin_overlapped(self.fragments[fragment])
 
     def finish(self) -> None:
         """End on the global model: apply the exchange in flight now, then average every fragment not equal yet.
@@ -226,7 +210,7 @@ class FederatedAverager:
             return
         flight = self._in_flight()
         if flight is not None:
-            self._apply(flight)
+            self._land(flight)
         stale = [f.index for f in self.fragments if f.averaged_at < self.step_count]
         if stale:
             self._average(stale)
@@ -256,7 +240,7 @@ class FederatedAverager:
         diverged = self._agree(tensors)
         if len(diverged) < self.comm.num_groups:
             contribute, contributors = self._contribution(diverged)
-            self._plain_mean(tensors, self._addresses, contributors, contribute)
+            self.counters.inter_group_bytes += self._plain_mean(tensors, self._addresses, contributors, contribute)
         self._lending = True
         try:
             yield
@@ -273,7 +257,7 @@ class FederatedAverager:
         self._wait_in_flight()
         for fragment in self.fragments:
             fragment.in_flight = None
-        self._plain_mean(model_state_tensors(self.model), self._addresses)
+        self.counters.inter_group_bytes += self._plain_mean(model_state_tensors(self.model), self._addresses)
         for fragment in self.fragments:
             fragment.averaged_at = self.step_count
 
@@ -339,9 +323,9 @@ class FederatedAverager:
         }
         flight = self._in_flight()
         in_flight = None
-        if flight is not None:
-            with self._explain(flight.in_flight.start_step):
-                in_flight = flight.in_flight.state_dict()
+        if flight is not None:  # with a `Membership` its outcome is not committed yet: a resume attempts it again
+            with self._explain(flight.in_flight.begun.start_step):
+                in_flight = flight.in_flight.state_dict(with_outcome=self.comm.membership is None)
         return {
             "step": self.step_count,
             "counters": counters,
@@ -368,8 +352,8 @@ class FederatedAverager:
             fragment.outer.load_state_dict(outer)
             fragment.in_flight = None
         if state["in_flight"] is not None:
-            flight = InFlight.from_state_dict(state["in_flight"])
-            self.fragments[flight.fragment].in_flight = flight
+            flight = self._flight_of(state["in_flight"])
+            self.fragments[flight.begun.fragments[0]].in_flight = flight
         if self.rounds is not None:  # this round's plan; a checkpoint of fed_round_policy steps trains all H
             self.rounds.forget()
             self.rounds.steps = int(counters.get("round_steps_planned") or self.schedule.sync_steps)
@@ -380,54 +364,120 @@ class FederatedAverager:
         self.settings_history = continue_history(saved, state["outer"], self.settings, self.step_count, log)
         self._loaded = True
 
+    def _flight_of(self, state: dict) -> InFlight:
+        """A checkpoint's exchange in flight; one written before `Begun` existed (its buffers averaged when it
+        began, its Δ taken against the anchor just loaded) is read as such."""
+        if "begun" in state:
+            return InFlight.from_state_dict(state)
+        snapshots = tuple(state["snapshots"])
+        begun = Begun((state["fragment"],), state["start_step"], state["apply_step"], (snapshots,), (), True)
+        deltas = self._deltas(self.fragments[state["fragment"]].outer, snapshots, state["contribute"])
+        outcome = Outcome(state["diverged"], None, None, state["contribute"], state["contributors"], [deltas],
+                          [state["means"]], [], state["sent"])  # fmt: skip
+        return InFlight(begun, state["blocked_s"], outcome=outcome)
+
     # ---- An averaging ----
 
     def _average(self, indices: Sequence[int]) -> None:
-        """Average the fragments ``indices`` now, blocking: agree on divergence, exchange Δ, outer step.
+        """Average the fragments ``indices`` now, blocking: it begins, is attempted and applied at this step.
 
         The last fragment carries the rest of the payload (floating buffers, and the moments if asked). With a
         `Membership` this is a round: nothing changes unless every collective succeeded (`_in_round`).
         """
-        tensors = self._payload()
-        params, others = tensors[: self._trainable], tensors[self._trainable :]
-        if self.schedule.fragments - 1 not in indices:
-            others = []
         self._tell("averaging", self.step_count, list(indices))
-        begin = time.perf_counter()
-
-        def apply(result: _Exchanged) -> None:
-            self._apply_exchanged(indices, params, others, result, time.perf_counter() - begin)
-
-        self._in_round(lambda: self._exchange_fragments(indices, tensors, params, others), apply)
+        start = time.perf_counter()
+        begun = self._begin(indices, overlap=0)
+        self._in_round(
+            lambda: self._attempt(begun), lambda outcome: self._apply(begun, outcome, time.perf_counter() - start, 0.0)
+        )
         self._tell("averaged", self.step_count, list(indices))
 
-    def _exchange_fragments(
-        self,
-        indices: Sequence[int],
-        payload: list[torch.Tensor],
-        params: list[torch.Tensor],
-        others: list[torch.Tensor],
-    ) -> _Exchanged:
-        """The collectives of a blocking averaging, changing no state: the agreement on the whole ``payload``, Δ's
-        mean, the plain means."""
-        agreed = self._agree_values(payload, round_report=True)
+    def _begin_overlapped(self, fragment: Fragment) -> None:
+        """Begin ``fragment``'s averaging and run its exchange on the worker thread; `_land` applies it τ steps
+        later. The control all-reduce runs now, on this thread, and publishes the previous averaging's norms."""
+        self._tell("exchange_started", self.step_count, fragment.index)
+        start = time.perf_counter()
+        begun = self._begin([fragment.index], self.schedule.overlap)
+        head, exchange = self._prepare(begun)
+        self._publish(head.published)
+        inputs = [d for deltas in head.deltas for d in deltas]
+        future = self._worker.submit(lambda: exchange(replace(head, published=None), True), inputs)
+        fragment.in_flight = InFlight(begun, time.perf_counter() - start, future=future)
+
+    def _land(self, fragment: Fragment) -> None:
+        """Apply ``fragment``'s overlapped averaging: its exchange's outcome, committed (with a `Membership`, a
+        round whose first attempt is the one in flight, and whose redo runs here, blocking)."""
+        flight = fragment.in_flight
+        self._tell("applying", self.step_count, fragment.index, flight.begun.start_step)
+        waited = self._wait_in_flight()
+        start = time.perf_counter()
+        fragment.in_flight = None  # a round's snapshot (I1) and a quorum see nothing in flight from here on
+        first = [flight]
+
+        def attempt() -> Outcome:
+            outcome = None
+            if first:
+                with self._explain(flight.begun.start_step):
+                    outcome = first.pop().result()
+            return self._attempt(flight.begun) if outcome is None else outcome
+
+        def apply(outcome: Outcome) -> None:
+            self._apply(flight.begun, outcome, flight.blocked_s + time.perf_counter() - start, waited)
+
+        self._in_round(attempt, apply)
+        self._tell("applied", self.step_count, fragment.index)
+
+    def _begin(self, indices: Sequence[int], overlap: int) -> Begun:
+        """What every attempt of the averaging of ``indices`` reads of this rank, taken now (`Begun`)."""
+        payload = self._payload()
+        params, rest = payload[: self._trainable], payload[self._trainable :]
+        snapshots = None
+        if overlap:
+            snapshots = tuple(
+                tuple(p.detach().to(torch.float32, copy=True) for p in self.fragments[i].of(params)) for i in indices
+            )
+        if self.schedule.fragments - 1 not in indices:
+            rest = []
+        elif overlap:
+            rest = [t.detach().clone() for t in rest]
+        report = self.rounds.report(self.step_count) if self.rounds is not None else None
+        step = self.step_count
+        return Begun(tuple(indices), step, step + overlap, snapshots, tuple(rest), all_finite(payload), report)
+
+    def _attempt(self, begun: Begun) -> Outcome:
+        """EXCHANGE, inline: every collective of ``begun``'s averaging; changes no state but the time counted."""
+        head, exchange = self._prepare(begun)
+        with self._explain():
+            return exchange(head, False)
+
+    def _prepare(self, begun: Begun) -> tuple[Outcome, Callable[[Outcome, bool], Outcome]]:
+        """An attempt's part on the loop's thread: the control all-reduce and this rank's Δ (``head``); and the
+        exchange still to run, inline or on the worker (``background``: over the worker's own peers)."""
+        agreed = self._agree_values(begun.finite, begun.report, barrier=True)
         contribute, contributors = self._contribution(agreed.diverged)
         scale, weighted = self._speed_weights(agreed, contributors)
-        addresses = self._payload_addresses()
-        deltas, means, sent = [], [], 0
-        with self._explain():
-            for index in indices:
-                fragment = self.fragments[index]
-                fragment_deltas = self._deltas(fragment.outer, fragment.of(params), contribute)
+        params = self._payload()[: self._trainable]
+        deltas = [
+            self._deltas(self.fragments[i].outer, begun.sources(k, self.fragments[i].of(params)), contribute)
+            for k, i in enumerate(begun.fragments)
+        ]
+        head = Outcome(agreed.diverged, agreed.published, agreed.speeds, contribute, contributors, deltas)
+        exchange, addresses = self.exchange, self._payload_addresses()
+        rest_addresses = addresses[len(addresses) - len(begun.rest) :]
+        redo = self.comm.membership is not None  # a round may redo it from ``begun``: keep its rest untouched
+
+        def run(head: Outcome, background: bool) -> Outcome:
+            means, sent = [], 0
+            for index, fragment_deltas in zip(begun.fragments, head.deltas, strict=True):
                 sending = fragment_deltas if scale == 1 else [d * scale for d in fragment_deltas]
-                mean, nbytes = self.exchange.mean(sending, weighted, fragment.of(addresses))
-                deltas.append(fragment_deltas)
+                mean, nbytes = exchange.mean(sending, weighted, self.fragments[index].of(addresses))
                 means.append(mean)
                 sent += nbytes
-        plain = others if self.comm.membership is None else [t.clone() for t in others]
-        self._plain_mean(plain, addresses[len(addresses) - len(others) :], contributors, contribute)
-        return _Exchanged(agreed.diverged, agreed.published, agreed.speeds, contribute, contributors, deltas, means,
-                          plain, sent)  # fmt: skip
+            plain = [t.clone() for t in begun.rest] if redo else list(begun.rest)
+            sent += self._plain_mean(plain, rest_addresses, contributors, contribute, background)
+            return exchanged(head, means, plain, sent)
+
+        return head, run
 
     def _speed_weights(self, agreed: Agreement, contributors: int) -> tuple[float, float]:
         """(what this rank multiplies its Δ by, what the exchange divides the sum by): with a speed-aware round's
@@ -439,39 +489,38 @@ class FederatedAverager:
         total = sum(w * s for g, (w, s) in enumerate(zip(weights, trained, strict=True)) if g not in agreed.diverged)
         return trained[self.comm.group], total
 
-    def _apply_exchanged(
-        self,
-        indices: Sequence[int],
-        params: list[torch.Tensor],
-        others: list[torch.Tensor],
-        result: _Exchanged,
-        seconds: float,
-    ) -> None:
-        """The outer step of each fragment on its mean Δ, the plain means adopted, the averaging counted."""
-        self._publish(result.published)
-        if result.speeds is not None:
-            self.counters.round_steps = round(result.speeds.trained[self.comm.group])
-            self.rounds.next_round(result.speeds, self.comm.group)
-        self.counters.inter_group_bytes += result.sent
+    def _apply(self, begun: Begun, outcome: Outcome, seconds: float, waited: float) -> None:
+        """APPLY: each fragment's outer step on its mean Δ (keeping the local progress made since ``begun`` where it
+        began earlier), the rest replaced by its plain means, the averaging counted, the diverged restarted."""
+        self._publish(outcome.published)
+        if outcome.speeds is not None:
+            self.counters.round_steps = round(outcome.speeds.trained[self.comm.group])
+            self.rounds.next_round(outcome.speeds, self.comm.group)
+        self.counters.inter_group_bytes += outcome.sent
+        payload = self._payload()
+        params = payload[: self._trainable]
+        kept = begun.snapshots is not None and self.comm.group not in outcome.diverged
         with torch.no_grad():
-            for index, deltas, mean in zip(indices, result.deltas, result.means, strict=True):
+            for k, (index, deltas, mean) in enumerate(zip(begun.fragments, outcome.deltas, outcome.means, strict=True)):
                 fragment = self.fragments[index]
                 if self._observers:  # a speed-aware round's sent copy is made only for whoever watches
-                    self._tell("exchanged", self.step_count, index, _sent(deltas, result, self.comm.group), mean)
-                fragment.outer.step(mean, fragment.of(params))
-                fragment.averaged_at = self.step_count
-            for tensor, averaged in zip(others, result.plain, strict=True):
+                    self._tell("exchanged", self.step_count, index, _sent(deltas, outcome, self.comm.group), mean)
+                fragment.outer.step(mean, fragment.of(params), begun.snapshots[k] if kept else None)
+                if begun.snapshots is None:  # every group now holds this fragment's global model
+                    fragment.averaged_at = self.step_count
+            rest = payload[self._trainable :] if begun.rest else []
+            for tensor, averaged in zip(rest, outcome.plain, strict=True):
                 if tensor is not averaged:
                     tensor.copy_(averaged)
-        sent_deltas = [d for deltas in result.deltas for d in deltas]
-        means = [m for fragment_means in result.means for m in fragment_means]
+        deltas = [d for fragment_deltas in outcome.deltas for d in fragment_deltas]
+        means = [m for fragment_means in outcome.means for m in fragment_means]
         self._norms = Norms.of(
-            sent_deltas, means, result.contribute, self.comm.group, self.comm.num_groups, len(result.diverged)
+            deltas, means, outcome.contribute, self.comm.group, self.comm.num_groups, len(outcome.diverged)
         )
         _synchronize(params)
-        self.counters.count(seconds, 0.0)
-        if result.diverged:
-            self._restart_diverged(result.diverged, params, keep=indices)
+        self.counters.count(seconds, waited)
+        if outcome.diverged:
+            self._restart_diverged(outcome.diverged, params, keep=begun.fragments)
 
     def _in_round(self, attempt: Callable[[], _T], apply: Callable[[_T], None]) -> None:
         """``apply(attempt())``; with a `Membership`, a round of `hf_fedshard.engine.rounds`: redone over each new
@@ -480,6 +529,7 @@ class FederatedAverager:
         if membership is None:
             apply(attempt())
             return
+        assert self._in_flight() is None, "a round's quorum forms only where no exchange is in flight"
         describe = f"at step {self.step_count}" if self.comm.control.rank() == 0 else ""
         run_round(membership, membership.heal, attempt, apply, self._new_quorum, describe)
 
@@ -488,67 +538,22 @@ class FederatedAverager:
         if formed.changed:
             self._norms = None
 
-    def _start(self, fragment: Fragment) -> None:
-        """Start ``fragment``'s exchange on the worker thread; `_apply` finishes it ``overlap`` steps later."""
-        step = self.step_count
-        self._tell("exchange_started", step, fragment.index)
-        begin = time.perf_counter()
-        tensors = model_state_tensors(self.model)
-        params, others = tensors[: self._trainable], tensors[self._trainable :]
-        diverged = self._agree(tensors)
-        contribute, contributors = self._contribution(diverged)
-        snapshots = [p.detach().to(torch.float32, copy=True) for p in fragment.of(params)]
-        deltas = self._deltas(fragment.outer, snapshots, contribute)
-        if fragment.index == self.schedule.fragments - 1:
-            self._plain_mean(others, self._addresses[self._trainable :], contributors, contribute)
-        mean = functools.partial(self.exchange.mean, addresses=fragment.of(self._addresses))
-        future = self._worker.submit(mean, deltas, contributors)
-        fragment.in_flight = InFlight(
-            fragment.index, step, step + self.schedule.overlap, snapshots, contribute, contributors, diverged,
-            blocked_s=time.perf_counter() - begin, future=future,
-        )  # fmt: skip
-
-    def _apply(self, fragment: Fragment) -> None:
-        """Finish ``fragment``'s exchange: the outer step on its mean Δ, keeping the local progress made since."""
-        flight = fragment.in_flight
-        self._tell("applying", self.step_count, fragment.index, flight.start_step)
-        waited = self._wait_in_flight()
-        begin = time.perf_counter()
-        with self._explain(flight.start_step):
-            means, sent = flight.wait()
-        params = model_state_tensors(self.model)[: self._trainable]
-        deltas = self._deltas(fragment.outer, flight.snapshots, flight.contribute)
-        self._norms = Norms.of(
-            deltas, means, flight.contribute, self.comm.group, self.comm.num_groups, len(flight.diverged)
-        )
-        fragment.in_flight = None
-        self._tell("exchanged", self.step_count, fragment.index, deltas, means)
-        mine_diverged = self.comm.group in flight.diverged
-        fragment.outer.step(means, fragment.of(params), None if mine_diverged else flight.snapshots)
-        _synchronize(params)
-        self.counters.inter_group_bytes += sent
-        self.counters.count(flight.blocked_s + time.perf_counter() - begin, waited)
-        if flight.diverged:
-            self._restart_diverged(flight.diverged, params, keep=[fragment.index])
-        self._tell("applied", self.step_count, fragment.index)
-
     def _agree(self, tensors: list[torch.Tensor]) -> list[int]:
-        """The averaging's control all-reduce: which groups hold a NaN/Inf in ``tensors``; publishes the norms."""
-        agreed = self._agree_values(tensors)
+        """The control all-reduce outside an averaging: which groups hold a NaN/Inf in ``tensors``; publishes the
+        norms."""
+        agreed = self._agree_values(all_finite(tensors))
         self._publish(agreed.published)
         return agreed.diverged
 
-    def _agree_values(self, tensors: list[torch.Tensor], round_report: bool = False) -> Agreement:
-        """`_agree`'s collective alone, changing nothing but the time counted in it: where ``round_report`` (it
-        ends a round, and carries a speed-aware round's report) that time is the wait for the slowest group
-        (``fed_barrier_seconds_total``)."""
+    def _agree_values(self, finite: bool, report: RoundReport | None = None, barrier: bool = False) -> Agreement:
+        """The control all-reduce (`hf_fedshard.engine.control.agree`), changing nothing but the time counted in it:
+        where it is an averaging's (``barrier``) that time is the wait for the slowest group
+        (``fed_barrier_seconds_total``); ``report``: a speed-aware round's."""
         self._wait_in_flight()
-        device = tensors[0].device if tensors else _device_of(self.model)
-        report = self.rounds.report(self.step_count) if round_report and self.rounds is not None else None
         begin = time.perf_counter()
         with self._explain():
-            agreed = agree(self.comm, all_finite(tensors), self._norms, device, self.step_count, report)
-        if round_report:
+            agreed = agree(self.comm, finite, self._norms, _device_of(self.model), self.step_count, report)
+        if barrier:
             self.counters.total_barrier_seconds += time.perf_counter() - begin
         return agreed
 
@@ -563,17 +568,22 @@ class FederatedAverager:
         addresses: Sequence[Address],
         contributors: int | None = None,
         contribute: bool = True,
-    ) -> None:
+        background: bool = False,
+    ) -> int:
         """``tensors`` ← their plain mean over the groups (no outer step; weighted by the groups' samples where
-        they are of unequal size), the bytes counted, a failure explained."""
+        they are of unequal size); returns the bytes sent. ``background``: on the worker thread, over its peers."""
+        if not tensors:
+            return 0
         contributors = contributors or sum(self.comm.group_weights)
+        if background:
+            if isinstance(self._exchange, PieceExchange):  # over the worker's peers: every rank
+                return self._exchange.plain_mean(tensors, contributors, contribute, addresses)
+            return plain_mean_over_groups(tensors, self.comm.exchange_peers, contributors, contribute)
         self._follow_groups()
         with self._explain():
             if self._pieces is not None:
-                sent = self._pieces.plain_mean(tensors, contributors, contribute, addresses)
-            else:
-                sent = plain_mean_over_groups(tensors, self.comm.peers, contributors, contribute)
-            self.counters.inter_group_bytes += sent
+                return self._pieces.plain_mean(tensors, contributors, contribute, addresses)
+            return plain_mean_over_groups(tensors, self.comm.peers, contributors, contribute)
 
     def _contribution(self, diverged: list[int]) -> tuple[bool, int]:
         """(whether this rank's group sends its Δ, how many groups do); an averaging without any stops training."""
@@ -655,11 +665,11 @@ class FederatedAverager:
     def _wait_in_flight(self) -> float:
         """Let the exchange in flight finish (not applied); returns the seconds the loop waited, counted as such."""
         fragment = self._in_flight()
-        if fragment is None or fragment.in_flight.result is not None:
+        if fragment is None or not fragment.in_flight.running:
             return 0.0
         begin = time.perf_counter()
-        with self._explain(fragment.in_flight.start_step):
-            fragment.in_flight.wait()
+        with self._explain(fragment.in_flight.begun.start_step):
+            fragment.in_flight.result()
         waited = time.perf_counter() - begin
         fragment.in_flight.blocked_s += waited
         self.counters.total_wait_seconds += waited
@@ -685,7 +695,7 @@ class FederatedAverager:
 
         def attempt() -> list[torch.Tensor]:
             means = tensors if self.comm.membership is None else [t.clone() for t in tensors]
-            self._plain_mean(means, self._addresses)
+            self.counters.inter_group_bytes += self._plain_mean(means, self._addresses)
             return means
 
         def apply(means: list[torch.Tensor]) -> None:
@@ -784,7 +794,7 @@ def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _sent(deltas: list[torch.Tensor], result: _Exchanged, group: int) -> list[torch.Tensor]:
+def _sent(deltas: list[torch.Tensor], result: Outcome, group: int) -> list[torch.Tensor]:
     """What this rank sent of ``deltas`` in ``result``'s exchange: Δ, times its group's trained steps in a speed-aware
     round (`FederatedAverager._speed_weights`)."""
     return deltas if result.speeds is None else [d * result.speeds.trained[group] for d in deltas]

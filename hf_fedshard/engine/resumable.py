@@ -28,6 +28,8 @@ def check_state(state: dict, schedule: Schedule, fragments: int | None = None) -
 
 
 def _check_in_flight(flight: dict | None, schedule: Schedule) -> None:
+    if flight is not None and "begun" in flight:
+        flight = {**flight["begun"], "fragment": flight["begun"]["fragments"][0]}
     if flight is not None and (
         flight["apply_step"] - flight["start_step"] != schedule.overlap
         or schedule.starting(flight["start_step"]) != flight["fragment"]
