@@ -125,7 +125,11 @@ class Store:
             clock=lambda: sim.now, sleep=sim.sleep, join_timeout_s=JOIN_TIMEOUT_S, poll_s=POLL_S,
         )  # fmt: skip
         membership.communicator = FederationCommunicator(
-            peers=membership, control=membership, timeout=f"fed_timeout_s={TIMEOUT_S:g}", membership=membership
+            peers=membership,
+            control=membership,
+            timeout=f"fed_timeout_s={TIMEOUT_S:g}",
+            membership=membership,
+            background_exchange=False,
         )
         return membership
 
@@ -159,6 +163,7 @@ class World:
     groups: int = 3
     backend: str = "lighthouse"
     steps: int = STEPS
+    options: dict[str, Any] = field(default_factory=dict)  # the averaging's settings besides H (fragments, overlap)
     sim: Simulation = field(init=False)
     launches: list[Launch] = field(default_factory=list)
     finished: list[Finished] = field(default_factory=list)
@@ -286,18 +291,18 @@ class World:
         if held:  # healed before training: resume from the peer's committed state
             position["step"] = held["trainer"]["step"]
             averager = FederatedAverager(
-                model, optimizer, communicator=comm, sync_steps=H, average_initial_weights=False
+                model, optimizer, communicator=comm, sync_steps=H, average_initial_weights=False, **self.options
             )
             averager.load_peer_state(held["averager"])
             heal.commit()  # a group that joins later may heal from this one
         elif checkpoint is not None:
             load_model_state(model, checkpoint["model"])
             averager = FederatedAverager(
-                model, optimizer, communicator=comm, sync_steps=H, average_initial_weights=False
+                model, optimizer, communicator=comm, sync_steps=H, average_initial_weights=False, **self.options
             )
             averager.load_state_dict(copy.deepcopy(checkpoint["averager"]))
         else:
-            averager = FederatedAverager(model, optimizer, communicator=comm, sync_steps=H)
+            averager = FederatedAverager(model, optimizer, communicator=comm, sync_steps=H, **self.options)
         while position["step"] < self.steps:
             self.sim.sleep(STEP_S)
             position["step"] += 1

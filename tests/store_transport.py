@@ -380,6 +380,7 @@ class StoreFederation:
         self.communicator = FederationCommunicator(
             peers=self.membership, control=GroupThenPeers(request.group, self.membership),
             hsdp_replicas=request.launch.replicas, timeout=request.timeout, membership=self.membership,
+            background_exchange=False,  # its collectives share the group's process group with FSDP's
         )  # fmt: skip
 
     def join(self, averagings: int) -> Round:

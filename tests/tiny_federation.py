@@ -99,7 +99,11 @@ class Reference:
     def state(self, g: int) -> list[torch.Tensor]:
         return [*self.params(g), self.models[g].stat]
 
-    def run(self, steps: int, nan_at: tuple[int, int] | None = None) -> list[list[torch.Tensor]]:
+    def run(
+        self, steps: int, nan_at: tuple[int, int] | None = None, heal_at: tuple[int, int] | None = None
+    ) -> list[list[torch.Tensor]]:
+        """``heal_at`` (group, step): that group lost the round applied at that step, which the others committed,
+        and took group 0's committed state there: every parameter its anchor, the buffer group 0's."""
         for step in range(1, steps + 1):
             for g in range(GROUPS):
                 train_step(self.models[g], self.optimizers[g], g, step)
@@ -116,6 +120,8 @@ class Reference:
                 self.average([fragment], step)
             elif fragment is not None:
                 self.start(fragment, step)
+            if heal_at is not None and heal_at[1] == step:
+                self.heal(heal_at[0])
         return [[t.detach().clone() for t in self.state(g)] for g in range(GROUPS)]
 
     def diverged(self) -> list[int]:
@@ -189,6 +195,12 @@ class Reference:
                 kept = self.anchor[i] if g in diverged else self.anchor[i] + (local.float() - snapshots[g][k])
                 local.copy_(kept)
         self.restart(diverged, keep=[fragment])
+
+    @torch.no_grad()
+    def heal(self, g: int) -> None:
+        for param, anchor in zip(self.params(g), self.anchor, strict=True):
+            param.copy_(anchor)
+        self.models[g].stat.copy_(self.models[0].stat)
 
     @torch.no_grad()
     def restart(self, diverged: list[int], keep: list[int]) -> None:

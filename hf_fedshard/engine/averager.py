@@ -58,7 +58,7 @@ from hf_fedshard.engine.pieces import PieceExchange
 from hf_fedshard.engine.resumable import check_state, continue_history
 from hf_fedshard.engine.rounds import run_round
 from hf_fedshard.engine.settings_history import History, history_from_state, history_to_state
-from hf_fedshard.engine.speed import RoundPlan, RoundReport
+from hf_fedshard.engine.speed import RoundPlan
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.notices import notice
 
@@ -114,11 +114,6 @@ class FederatedAverager:
                 "FederatedAverager needs the world mesh (FederationLayout.build_mesh) or a communicator=."
             )
         self.comm = communicator(options) if callable(communicator) else communicator
-        if self.comm.membership is not None and self.schedule.streaming:
-            raise ConfigError(
-                "fed_sync_fragments/fed_sync_overlap stream the averaging between rounds, which fed_transport torchft "
-                "does not redo when a group leaves: set --fed_sync_fragments 1 --fed_sync_overlap 0."
-            )
         self.model, self.optimizer, self.before_eval = model, optimizer, before_eval
         self._addresses = model_state_addresses(model)
         self._shapes = self.comm.shapes  # the groups the exchanges below were built for
@@ -400,8 +395,14 @@ class FederatedAverager:
         begun = self._begin([fragment.index], self.schedule.overlap)
         head, exchange = self._prepare(begun)
         self._publish(head.published)
+        head = replace(head, published=None)
+        if not self.comm.background_exchange:  # the transport's collectives run on the loop's thread only
+            with self._explain():
+                outcome = exchange(head, False)
+            fragment.in_flight = InFlight(begun, time.perf_counter() - start, outcome=outcome)
+            return
         inputs = [d for deltas in head.deltas for d in deltas]
-        future = self._worker.submit(lambda: exchange(replace(head, published=None), True), inputs)
+        future = self._worker.submit(lambda: exchange(head, True), inputs)
         fragment.in_flight = InFlight(begun, time.perf_counter() - start, future=future)
 
     def _land(self, fragment: Fragment) -> None:
@@ -453,7 +454,7 @@ class FederatedAverager:
     def _prepare(self, begun: Begun) -> tuple[Outcome, Callable[[Outcome, bool], Outcome]]:
         """An attempt's part on the loop's thread: the control all-reduce and this rank's Δ (``head``); and the
         exchange still to run, inline or on the worker (``background``: over the worker's own peers)."""
-        agreed = self._agree_values(begun.finite, begun.report, barrier=True)
+        agreed = self._agree_values(begun.finite, begun)
         contribute, contributors = self._contribution(agreed.diverged)
         scale, weighted = self._speed_weights(agreed, contributors)
         params = self._payload()[: self._trainable]
@@ -545,15 +546,18 @@ class FederatedAverager:
         self._publish(agreed.published)
         return agreed.diverged
 
-    def _agree_values(self, finite: bool, report: RoundReport | None = None, barrier: bool = False) -> Agreement:
-        """The control all-reduce (`hf_fedshard.engine.control.agree`), changing nothing but the time counted in it:
-        where it is an averaging's (``barrier``) that time is the wait for the slowest group
-        (``fed_barrier_seconds_total``); ``report``: a speed-aware round's."""
+    def _agree_values(self, finite: bool, begun: Begun | None = None) -> Agreement:
+        """The control all-reduce (`hf_fedshard.engine.control.agree`), changing nothing but the time counted in it.
+        For an averaging (``begun``) that time is the wait for the slowest group (``fed_barrier_seconds_total``), and
+        the step the groups must share is the one it began at (I2): a redo at its apply step meets a group that
+        healed into it and begins it now."""
         self._wait_in_flight()
+        step = self.step_count if begun is None else begun.start_step
+        report = None if begun is None else begun.report
         begin = time.perf_counter()
         with self._explain():
-            agreed = agree(self.comm, finite, self._norms, _device_of(self.model), self.step_count, report)
-        if barrier:
+            agreed = agree(self.comm, finite, self._norms, _device_of(self.model), step, report)
+        if begun is not None:
             self.counters.total_barrier_seconds += time.perf_counter() - begin
         return agreed
 

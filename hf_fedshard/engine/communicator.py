@@ -163,6 +163,8 @@ class FederationCommunicator:
         groups: groups of unequal size, their ranks numbered as in ``control``; ``None``: equal groups.
         this_group: this rank's index in ``groups``.
         round_groups: groups of unequal size that change between rounds (instead of ``groups``/``this_group``).
+        background_exchange: whether an overlapped exchange may run on a worker thread (``False``: a transport
+            whose collectives need the loop's thread, as the simulator's do; it then runs when the averaging begins).
     """
 
     peers: Communicator | None
@@ -175,6 +177,7 @@ class FederationCommunicator:
     groups: tuple[GroupShape, ...] | None = None
     this_group: int = 0
     round_groups: RoundGroups | None = None
+    background_exchange: bool = True
 
     @property
     def shapes(self) -> tuple[GroupShape, ...] | None:

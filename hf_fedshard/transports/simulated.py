@@ -290,7 +290,11 @@ class SimulatedFederation:
     def communicator(self) -> FederationCommunicator:
         """The engine's collectives over the quorum, this launch's membership (a `Federation`'s, as transports give)."""
         return FederationCommunicator(
-            peers=self, control=self, timeout=f"fed_timeout_s={self.timeout_s:g}", membership=self
+            peers=self,
+            control=self,
+            timeout=f"fed_timeout_s={self.timeout_s:g}",
+            membership=self,
+            background_exchange=False,  # a simulated collective runs on its launch's thread (`Simulation.wait_until`)
         )
 
     def size(self) -> int:

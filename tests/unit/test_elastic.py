@@ -155,6 +155,37 @@ def test_a_group_that_lost_a_round_the_others_committed_heals_from_a_peer():
     assert [r[1].counters.syncs for r in results] == [4, 4, 4]
 
 
+STREAMED = [
+    pytest.param({"sync_fragments": 2}, id="2-fragments"),
+    pytest.param({"sync_fragments": 2, "sync_overlap": 1}, id="2-fragments-overlap-1"),
+    pytest.param({"outer_optimizer": "nesterov", "sync_overlap": 2}, id="nesterov-overlap-2"),
+]
+
+
+@pytest.mark.parametrize("options", STREAMED)
+def test_a_streamed_round_that_does_not_commit_is_redone_from_what_it_began_with(options):
+    """Commit 3 fails everywhere (fragment 1 of step 4, or the averaging of step 4 with τ = 2): the round is redone
+    at its apply step, blocking, from the Δ and buffers it began with, and the end is the rule's, to the bit (a
+    redo that re-read the model moved τ steps, or kept the failed attempt's buffers, would not be)."""
+    results = elastic_run(12, fail={3: "all"}, **options)
+    assert_groups_equal_reference(results, reference_for(options).run(12))
+    unfailed = elastic_run(12, fail={}, **options)
+    for (_, averager, membership, comm), (_, once, _, once_comm) in zip(results, unfailed, strict=True):
+        assert membership.commits == once.counters.syncs + 1
+        assert comm.exchange.calls == once_comm.exchange.calls + 1  # the redo: one fragment's exchange again
+        assert averager.counters.syncs == once.counters.syncs
+
+
+def test_a_group_that_lost_a_streamed_round_heals_to_the_global_model_where_it_was_applied():
+    """2 fragments, τ = 1: commit 3 is fragment 1's, begun at step 4 and applied at 5; group 2 alone fails it and
+    heals there from group 0's committed state: every fragment its anchor (its own progress since is dropped), the
+    buffer group 0's; the end is the rule's with that heal, to the bit, every group on one model."""
+    options = {"sync_fragments": 2, "sync_overlap": 1}
+    results = elastic_run(12, fail={3: "2"}, **options)
+    assert_groups_equal_reference(results, reference_for(options).run(12, heal_at=(2, 5)))
+    assert [r[1].counters.syncs for r in results] == [1 + 6] * GROUPS
+
+
 def test_metrics_carry_the_transports_own():
     (_, averager, *_), *_ = elastic_run(4, fail={})
     assert averager.metrics()["fed_commits"] == 2

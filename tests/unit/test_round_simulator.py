@@ -10,6 +10,7 @@ restarts after any delay, stops, rounds that do not commit and staggered full re
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -67,12 +68,13 @@ def test_a_group_back_right_after_step_0s_averaging_heals_with_every_part_of_the
     world.run().check()
 
 
-def schedule(seed: int, backend: str = "lighthouse") -> tuple[World, tuple[str, ...]]:
+def schedule(seed: int, backend: str = "lighthouse", **options: Any) -> tuple[World, tuple[str, ...]]:
     """A seeded fault schedule: one to three kills (each restarted after 0–10 s), stops shorter than the timeout,
-    rounds that do not commit (one rank votes no), or a lost lighthouse and a staggered full resume."""
+    rounds that do not commit (one rank votes no), or a lost lighthouse and a staggered full resume; ``options``:
+    the averaging's settings besides H."""
     rng = random.Random(seed)
     groups = rng.choice([2, 3, 4])
-    world = World(seed=seed, groups=groups, backend=backend)
+    world = World(seed=seed, groups=groups, backend=backend, options=options)
     for g in range(groups):
         world.start(g, at=rng.choice([0.0, 0.0, rng.uniform(0, JOIN_TIMEOUT_S)]))
     kind = rng.choice(["kills", "kills", "stops", "votes", "resume"])
@@ -127,4 +129,22 @@ def test_every_group_ends_on_one_model_whatever_the_faults(block, backend):
     """300 seeded schedules (4 blocks of 75): each ends with every group on one model and one averaging count."""
     for seed in range(block * 75, (block + 1) * 75):
         world, allowed = schedule(seed, backend)
+        world.run().check(allowed_errors=allowed)
+
+
+STREAMED = [
+    {"sync_fragments": 2, "sync_overlap": 1},  # fragment 0 begins at 2 (mod 4), is applied at 3, fragment 1 at 4, 5
+    {"sync_overlap": 1, "outer_optimizer": "nesterov"},  # the whole model, applied a step after it began
+    {"sync_fragments": 4},  # a fragment every step, blocking
+]
+
+
+@backends
+@pytest.mark.parametrize("options", STREAMED, ids=["2-fragments-overlap-1", "nesterov-overlap-1", "4-fragments"])
+def test_streamed_averagings_end_on_one_model_whatever_the_faults(options, backend):
+    """The first 40 schedules with fragments and overlap: a round commits at its apply step, a failed one is redone
+    there over the groups alive, a group heals only where nothing is in flight, a checkpoint taken with an exchange
+    in flight is attempted again at its resume; every group ends on one model and one averaging count."""
+    for seed in range(40):
+        world, allowed = schedule(seed, backend, **options)
         world.run().check(allowed_errors=allowed)
