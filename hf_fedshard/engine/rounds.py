@@ -37,6 +37,21 @@ Invariants (asserted where they can fail cheaply):
   commit from the count and the groups that committed (`next_lineage`); two quorums that committed the same averaging
   apart (a group redid a round alone while the others redid it together) hold different codes, and when they meet
   every group not on the lead (`lead`: the highest count, then the code most groups hold) heals from one that is.
+
+Streamed averagings (fragments, overlap τ): each fragment's averaging is one round, begun at step s and applied at
+s + τ (τ = 0: both at s); the round's EXCHANGE starts at s (the control all-reduce, then the exchange on the worker
+thread) and its COMMIT, APPLY and QUORUM come at s + τ. What the invariants mean per fragment:
+
+- I1 a snapshot is taken only after a fragment's APPLY, where nothing is in flight; a heal never sends an exchange
+  in flight (the next begins H/F > τ steps later).
+- I2 the step the groups compare is the one the averaging began at (a redo at s + τ meets a group that healed into
+  the round and begins it when it reaches s).
+- I3 a fragment's mean Δ and the buffers' means are applied only after its vote; a failed vote redoes the round at
+  s + τ, blocking, over the groups alive, from what it began with (snapshot, buffers, NaN flag), never from the
+  model τ steps later: what a group applies is the fault-free result of the groups that committed it. A checkpoint
+  taken inside the window holds only what the averaging began with; a resume attempts it again.
+- I4 a group that heals takes the source's committed anchors, step and count, and no averaging in flight.
+- I8 the count and the lineage advance once per committed fragment.
 """
 
 from __future__ import annotations

@@ -88,10 +88,13 @@ class GroupLaunch:
                 f"eval_steps={steps} is not a multiple of fed_sync_steps={sync}: with a launch per group the groups "
                 f"hold one global model only at averaging steps. Set --eval_steps to a multiple of {sync}."
             )
-        if args.fed_schedule.streaming:
+        strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
+        if args.fed_schedule.streaming and strategy != "no":
             raise ConfigError(
-                "fed_sync_fragments/fed_sync_overlap stream the averaging between rounds, which a launch per group "
-                "does not redo when a group leaves: set --fed_sync_fragments 1 --fed_sync_overlap 0."
+                f"eval_strategy={strategy} with fed_sync_fragments/fed_sync_overlap: streamed averagings "
+                "leave no step but the last where the groups hold one global model, and a launch per group meets "
+                "the others only in averagings. Set --eval_strategy no (trainer.evaluate() after training "
+                "evaluates the final global model)."
             )
         if args.load_best_model_at_end or args.fed_eval_per_group:
             raise ConfigError(

@@ -31,8 +31,13 @@ H4_10_STEPS = [*TINY, "--max_steps", "10", "--fed_sync_steps", "4"]
         pytest.param([], id="fedavg-fp32"),
         pytest.param(["--fed_outer_optimizer", "nesterov", "--fed_sync_dtype", "int8"], id="nesterov-int8"),
         pytest.param(["--fed_shard_size", "1", "--fed_sync_dtype", "bfloat16"], id="fl-hsdp-bf16"),
+        pytest.param(
+            ["--fed_sync_fragments", "2", "--fed_sync_overlap", "1", "--fed_outer_optimizer", "nesterov",
+             "--fed_sync_dtype", "int8"],
+            id="fragments-overlap-nesterov-int8",
+        ),
     ],
-)
+)  # fmt: skip
 def test_torchft_equals_the_one_job_mesh_to_the_bit(tmp_path, extra, request):
     """2 groups × 2 ranks, H = 4, 10 steps (the last averaging at the end): the same samples, shards and
     evaluation as one job of 4 ranks with fed_group_size 2 (group G reads slice G of 2); each launch logs its
