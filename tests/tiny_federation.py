@@ -78,8 +78,9 @@ def engine_run(
 class Reference:
     """The averaging rule on full tensors, group by group, written from the docs (not from the engine)."""
 
-    def __init__(self, sync_steps=4, fragments=1, overlap=0, lr=1.0, momentum=0.0) -> None:
+    def __init__(self, sync_steps=4, fragments=1, overlap=0, lr=1.0, momentum=0.0, moments=False) -> None:
         self.schedule = Schedule(sync_steps, fragments, overlap)
+        self.moments = moments  # the optimizer's momentum buffers are averaged with the buffer
         self.ranges, self.lr, self.momentum = RANGES[fragments], lr, momentum
         self.models, self.optimizers = zip(*(build(g) for g in range(GROUPS)), strict=True)
         self.averaged_at = [0] * fragments
@@ -98,6 +99,20 @@ class Reference:
 
     def state(self, g: int) -> list[torch.Tensor]:
         return [*self.params(g), self.models[g].stat]
+
+    def rest(self, g: int) -> list[torch.Tensor]:
+        """What the last fragment carries besides parameters: the buffer, and the momentum buffers if asked."""
+        momenta = [self.optimizers[g].state[p]["momentum_buffer"] for p in self.params(g)] if self.moments else []
+        return [self.models[g].stat, *momenta]
+
+    def rest_means(self, diverged: list[int], contributors: int) -> list[torch.Tensor]:
+        rests = [[torch.zeros_like(t) if g in diverged else t for t in self.rest(g)] for g in range(GROUPS)]
+        return [(a + b + c) / contributors for a, b, c in zip(*rests, strict=True)]
+
+    def adopt(self, means: list[torch.Tensor]) -> None:
+        for g in range(GROUPS):
+            for tensor, mean in zip(self.rest(g), means, strict=True):
+                tensor.copy_(mean)
 
     def run(
         self, steps: int, nan_at: tuple[int, int] | None = None, heal_at: tuple[int, int] | None = None
@@ -160,10 +175,7 @@ class Reference:
                     self.params(g)[i].copy_(self.anchor[i])
             self.averaged_at[f] = step
         if len(self.ranges) - 1 in fragments:
-            stats = [torch.zeros(2) if g in diverged else self.models[g].stat for g in range(GROUPS)]
-            mean = (stats[0] + stats[1] + stats[2]) / contributors
-            for g in range(GROUPS):
-                self.models[g].stat.copy_(mean)
+            self.adopt(self.rest_means(diverged, contributors))
         self.publish(squares, contributors)
         self.restart(diverged, keep=fragments)
 
@@ -176,18 +188,17 @@ class Reference:
         for k, i in enumerate(range(*self.ranges[fragment])):
             deltas = [self.deltas(g, i, snapshots[g][k], diverged) for g in range(GROUPS)]
             means.append((deltas[0] + deltas[1] + deltas[2]) / contributors)
-        stat = None  # the buffers' mean, of their values now, replaces them at the apply (an EMA keeps no progress)
+        rest = None  # the buffers' mean, of their values now, replaces them at the apply (an EMA keeps no progress)
         if fragment == len(self.ranges) - 1:
-            stats = [torch.zeros(2) if g in diverged else self.models[g].stat for g in range(GROUPS)]
-            stat = (stats[0] + stats[1] + stats[2]) / contributors
-        self.flight = (fragment, step + self.schedule.overlap, snapshots, means, diverged, stat)
+            rest = self.rest_means(diverged, contributors)
+        self.flight = (fragment, step + self.schedule.overlap, snapshots, means, diverged, rest)
 
     @torch.no_grad()
     def apply(self) -> None:
-        fragment, _, snapshots, means, diverged, stat = self.flight
+        fragment, _, snapshots, means, diverged, rest = self.flight
         self.flight = None
-        for g in range(GROUPS if stat is not None else 0):
-            self.models[g].stat.copy_(stat)
+        if rest is not None:
+            self.adopt(rest)
         for k, i in enumerate(range(*self.ranges[fragment])):
             self.outer_step(i, means[k])
             for g in range(GROUPS):
@@ -209,7 +220,7 @@ class Reference:
                 if f not in keep:
                     for i in range(a, b):
                         self.params(g)[i].copy_(self.anchor[i])
-            for state in self.optimizers[g].state.values():
+            for state in self.optimizers[g].state.values() if not self.moments else ():
                 state["momentum_buffer"].zero_()
 
     def note_norms(self, squares, deltas, mean, diverged) -> None:
@@ -226,7 +237,8 @@ class Reference:
 def reference_for(options: dict) -> Reference:
     lr, momentum = (0.7, 0.9) if options.get("outer_optimizer") == "nesterov" else (1.0, 0.0)
     return Reference(
-        options.get("sync_steps", 4), options.get("sync_fragments", 1), options.get("sync_overlap", 0), lr, momentum
+        options.get("sync_steps", 4), options.get("sync_fragments", 1), options.get("sync_overlap", 0), lr, momentum,
+        options.get("average_optimizer_state", False),
     )
 
 

@@ -149,11 +149,6 @@ class AveragingOptions:
                 "average (lr 1, no momentum). Add --fed_outer_optimizer nesterov, or drop them."
             )
         self.schedule.validate()
-        if self.schedule.streaming and self.average_optimizer_state:
-            raise ConfigError(
-                "fed_average_optimizer_state averages the moments in blocking averagings only; drop it, or set "
-                "--fed_sync_fragments 1 --fed_sync_overlap 0."
-            )
         lr, momentum = self.outer
         if not lr > 0:
             raise ConfigError(f"fed_outer_lr={lr}: it must be positive. Set --fed_outer_lr above 0 (DiLoCo: 0.7).")
@@ -173,10 +168,16 @@ class AveragingOptions:
                 f"fed_min_round_steps={self.min_round_steps} must be in [1, fed_sync_steps={self.sync_steps}]: the "
                 "fewest of a round's steps a slow group trains. Set --fed_min_round_steps within it."
             )
-        if self.round_policy == "speed" and self.schedule.streaming:
+        if self.round_policy == "speed" and self.sync_fragments > 1:
             raise ConfigError(
-                "fed_round_policy speed plans whole rounds, which fed_sync_fragments/fed_sync_overlap cut up: set "
-                "--fed_sync_fragments 1 --fed_sync_overlap 0, or --fed_round_policy steps."
+                "fed_round_policy speed plans whole rounds, which fed_sync_fragments cuts up: set "
+                "--fed_sync_fragments 1, or --fed_round_policy steps."
+            )
+        if self.round_policy == "speed" and self.min_round_steps < self.sync_overlap:
+            raise ConfigError(
+                f"fed_min_round_steps={self.min_round_steps} is below fed_sync_overlap={self.sync_overlap}: a round's "
+                "plan is agreed at its apply, τ steps into the round, so its first τ steps must be trained under any "
+                f"plan. Set --fed_min_round_steps {self.sync_overlap} or more."
             )
 
     @property

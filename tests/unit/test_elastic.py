@@ -159,6 +159,7 @@ STREAMED = [
     pytest.param({"sync_fragments": 2}, id="2-fragments"),
     pytest.param({"sync_fragments": 2, "sync_overlap": 1}, id="2-fragments-overlap-1"),
     pytest.param({"outer_optimizer": "nesterov", "sync_overlap": 2}, id="nesterov-overlap-2"),
+    pytest.param({"sync_overlap": 1, "average_optimizer_state": True}, id="overlap-1-optimizer-state"),
 ]
 
 

@@ -56,6 +56,21 @@ def test_the_engine_follows_the_rule_to_the_bit(options, steps):
     assert averager.counters.group_drift == pytest.approx(reference.drift, rel=1e-12)
 
 
+@pytest.mark.parametrize("options", MATRIX[1:])
+def test_the_optimizer_state_travels_with_the_last_fragment_and_replaces_the_live_one_at_its_apply(options):
+    """fed_average_optimizer_state: the momentum buffers' plain mean, of their values when the last fragment's
+    averaging began, replaces them where it is applied (τ steps later with overlap), as the floating buffer's does;
+    parameters and moments end on the rule's values, to the bit."""
+    options = {**options, "average_optimizer_state": True}
+    results = engine_run(10, **options)
+    reference = reference_for(options)
+    assert_groups_equal_reference(results, reference.run(10))
+    for g, (_, _, optimizer, _) in enumerate(results):
+        for i, (param, ref) in enumerate(zip(optimizer.param_groups[0]["params"], reference.params(g), strict=True)):
+            got, want = optimizer.state[param]["momentum_buffer"], reference.optimizers[g].state[ref]["momentum_buffer"]
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=labelled(f"group {g} moment {i}"))
+
+
 @pytest.mark.parametrize("options", MATRIX)
 def test_the_exchange_of_unequal_groups_follows_the_same_rule_where_the_groups_weigh_the_same(options):
     """`hf_fedshard.engine.pieces` (groups of unequal size) with groups of equal weight: in fp32 its rule is the

@@ -55,8 +55,8 @@ def test_a_groups_speed_is_the_median_of_its_trained_steps_over_two_rounds():
     [
         ({"round_policy": "fastest"}, "fed_round_policy='fastest' is unknown. Set --fed_round_policy to one of steps"),
         ({"round_policy": "speed", "min_round_steps": 9}, "fed_min_round_steps=9 must be in [1, fed_sync_steps=8]"),
-        ({"round_policy": "speed", "sync_fragments": 2}, "set --fed_sync_fragments 1 --fed_sync_overlap 0, or"),
-        ({"round_policy": "speed", "sync_overlap": 1}, "fed_round_policy speed plans whole rounds"),
+        ({"round_policy": "speed", "sync_fragments": 2}, "fed_round_policy speed plans whole rounds, which fed_sync"),
+        ({"round_policy": "speed", "sync_overlap": 2}, "fed_min_round_steps=1 is below fed_sync_overlap=2"),
     ],
 )
 def test_bad_round_settings_are_refused_in_one_line(settings, message):
@@ -69,12 +69,17 @@ class SpeedReference(Reference):
     """`Reference`'s rule with speed-aware rounds: group g trains the first H_g steps of a round; the mean of Δ is
     Σ s_g Δ_g / Σ s_g over the contributing groups; H_g' = clamp(⌊H · τ_min / τ_g + ½⌋, 1, H) with τ_g = COST[g]."""
 
-    def __init__(self) -> None:
+    def __init__(self, overlap: int = 0) -> None:
         super().__init__(sync_steps=4)
+        self.tau = overlap
         self.plan = [4] * GROUPS
         self.trained: list[list[int]] = [[] for _ in range(GROUPS)]  # the steps each group trained
+        self.begun: tuple | None = None  # an overlapped averaging: (apply step, snapshots, means, diverged, buffer)
 
     def run(self, steps: int, nan_at: tuple[int, int] | None = None) -> list[list[torch.Tensor]]:
+        """With overlap τ the averaging begun at the end of a round (Δ of its snapshot) is applied τ steps later,
+        each group keeping its progress since; the next round's plan is the one agreed then (its first τ steps are
+        trained under any plan)."""
         for step in range(1, steps + 1):
             position = (step - 1) % 4
             for g in range(GROUPS):
@@ -83,29 +88,43 @@ class SpeedReference(Reference):
                     self.trained[g].append(step)
                 if nan_at == (g, step):
                     poison(self.models[g])
+            if self.begun is not None and (self.begun[0] == step or step == steps):
+                self.land()
             if step % 4 == 0 or step == steps:
-                self.average([0], step, [min(self.plan[g], position + 1) for g in range(GROUPS)])
-                self.plan = [4 * min(COST) / c for c in COST]
-                self.plan = [max(1, min(4, int(h + 0.5))) for h in self.plan]
+                self.begin([min(self.plan[g], position + 1) for g in range(GROUPS)], step, 0 if step == steps else 1)
         return [[t.detach().clone() for t in self.state(g)] for g in range(GROUPS)]
 
     @torch.no_grad()
-    def average(self, fragments: list[int], step: int, trained: list[int] | None = None) -> None:
+    def begin(self, trained: list[int], step: int, later: int) -> None:
         diverged = self.diverged()
         weight = sum(float(s) for g, s in enumerate(trained) if g not in diverged)
-        for i in range(4):
-            deltas = [self.deltas(g, i, self.params(g)[i], diverged) * float(trained[g]) for g in range(GROUPS)]
-            self.outer_step(i, (deltas[0] + deltas[1] + deltas[2]) / weight)
-            for g in range(GROUPS):
-                self.params(g)[i].copy_(self.anchor[i])
+        snapshots = [[p.float().clone() for p in self.params(g)] for g in range(GROUPS)]
+        deltas = [[self.deltas(g, i, snapshots[g][i], diverged) * float(trained[g]) for g in range(GROUPS)]
+                  for i in range(4)]  # fmt: skip
+        means = [(d[0] + d[1] + d[2]) / weight for d in deltas]
         stats = [torch.zeros(2) if g in diverged else self.models[g].stat for g in range(GROUPS)]
-        mean = (stats[0] + stats[1] + stats[2]) / (GROUPS - len(diverged))  # buffers: the plain mean
+        buffer = (stats[0] + stats[1] + stats[2]) / (GROUPS - len(diverged))  # buffers: the plain mean
+        self.begun = (step + self.tau * later, snapshots if self.tau * later else None, means, diverged, buffer)
+        if not self.tau * later:
+            self.land()
+
+    @torch.no_grad()
+    def land(self) -> None:
+        _, snapshots, means, diverged, buffer = self.begun
+        self.begun = None
+        for i in range(4):
+            self.outer_step(i, means[i])
+            for g in range(GROUPS):
+                local = self.params(g)[i]
+                kept = snapshots is not None and g not in diverged
+                local.copy_(self.anchor[i] + (local.float() - snapshots[g][i]) if kept else self.anchor[i])
         for g in range(GROUPS):
-            self.models[g].stat.copy_(mean)
+            self.models[g].stat.copy_(buffer)
         self.restart(diverged, keep=[0])
+        self.plan = [max(1, min(4, int(4 * min(COST) / c + 0.5))) for c in COST]
 
 
-def speed_run(steps: int, nan_at: tuple[int, int] | None = None, pieces: bool = False) -> list:
+def speed_run(steps: int, nan_at: tuple[int, int] | None = None, pieces: bool = False, overlap: int = 0) -> list:
     """Every group's state at the end, the steps it trained, its averager; a trained step costs COST[g] seconds."""
 
     def rank_fn(comm):
@@ -113,7 +132,8 @@ def speed_run(steps: int, nan_at: tuple[int, int] | None = None, pieces: bool = 
         now = [0.0]
         model, optimizer = build(group)
         averager = FederatedAverager(
-            model, optimizer, communicator=comm, sync_steps=4, round_policy="speed", clock=lambda: now[0]
+            model, optimizer, communicator=comm, sync_steps=4, round_policy="speed", clock=lambda: now[0],
+            sync_overlap=overlap,
         )
         trained = []
         for step in range(1, steps + 1):
@@ -148,6 +168,21 @@ def test_each_group_trains_its_planned_steps_and_the_mean_is_weighted_by_them(pi
         for i, (tensor, expected) in enumerate(zip(state, want[g], strict=True)):
             assert torch.equal(tensor, expected), f"group {g} tensor {i}: {(tensor - expected).abs().max()}"
         assert averager.metrics()["fed_round_steps"] == [2, 2, 1][g]  # the last round's trained steps
+
+
+def test_with_overlap_each_group_trains_a_prefix_and_the_exchange_still_overlaps():
+    """τ = 1: each round's averaging begins at its last step and is applied one step into the next round, whose plan
+    (4, 2, 1 once measured) is agreed then; its first step is trained under any plan (fed_min_round_steps ≥ τ).
+    Bit for bit against the rule; the exchange ran on the worker thread (the apply came a step after the begin)."""
+    reference = SpeedReference(overlap=1)
+    want = reference.run(14)
+    got = speed_run(14, overlap=1)
+    assert reference.trained[1:] == [[1, 2, 3, 4, 5, 6, 9, 10, 13, 14], [1, 2, 3, 4, 5, 9, 13]]
+    for g, (state, trained, averager) in enumerate(got):
+        assert trained == reference.trained[g], f"group {g}"
+        for i, (tensor, expected) in enumerate(zip(state, want[g], strict=True)):
+            assert torch.equal(tensor, expected), f"group {g} tensor {i}: {(tensor - expected).abs().max()}"
+        assert averager.metrics()["fed_round_steps"] == [2, 2, 1][g]
 
 
 def test_a_checkpoint_keeps_the_rounds_plan_and_a_heal_forgets_it():
