@@ -237,7 +237,11 @@ class Reference:
 def reference_for(options: dict) -> Reference:
     lr, momentum = (0.7, 0.9) if options.get("outer_optimizer") == "nesterov" else (1.0, 0.0)
     return Reference(
-        options.get("sync_steps", 4), options.get("sync_fragments", 1), options.get("sync_overlap", 0), lr, momentum,
+        options.get("sync_steps", 4),
+        options.get("sync_fragments", 1),
+        options.get("sync_overlap", 0),
+        lr,
+        momentum,
         options.get("average_optimizer_state", False),
     )
 

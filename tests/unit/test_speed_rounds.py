@@ -132,7 +132,12 @@ def speed_run(steps: int, nan_at: tuple[int, int] | None = None, pieces: bool = 
         now = [0.0]
         model, optimizer = build(group)
         averager = FederatedAverager(
-            model, optimizer, communicator=comm, sync_steps=4, round_policy="speed", clock=lambda: now[0],
+            model,
+            optimizer,
+            communicator=comm,
+            sync_steps=4,
+            round_policy="speed",
+            clock=lambda: now[0],
             sync_overlap=overlap,
         )
         trained = []
