@@ -9,6 +9,7 @@ engine's rounds on a fake membership) is tests/unit/test_elastic.py.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import re
 import shutil
 import time
@@ -108,6 +109,40 @@ def test_a_killed_group_leaves_and_heals_back_while_the_others_go_on(tmp_path):
         per_step = 2  # per_device_train_batch_size
         tail = one_job[2 + r]["seen"][healed_at * per_step :]
         assert dumps[1][r]["seen"] == tail, labelled(f"group 1 rank {r}: samples read after the heal at {healed_at}")
+
+
+@pytest.mark.timeout(900)
+def test_every_setting_at_once_survives_a_killed_group(tmp_path):
+    """3 groups × 2 ranks on torchft with overlap, int8, Nesterov and speed-aware rounds, H = 4, 24 steps: group 2
+    is slowed (0.4 s more per trained step), so it trains a prefix of each round; group 1's rank 0 is SIGKILLed as
+    step 6 begins and plain torchrun restarts the group, which heals from a live group at an apply step. Every
+    group ends on one model (the sha256 of its exported weights) with the same averaging count."""
+    common = [*TINY, "--num_samples", "256", "--max_steps", "24", "--fed_sync_steps", "4", "--fed_sync_overlap", "1",
+              "--fed_sync_dtype", "int8", "--fed_outer_optimizer", "nesterov", "--fed_round_policy", "speed",
+              "--step_sleep_s", "0.1", "--slow_group", "2", "--slow_step_s", "0.4",
+              "--fed_timeout_s", "30"]  # fmt: skip
+    marker = tmp_path / "group1-restarted"
+    kill = ["--kill_at_step", "6", "--fault_rank", "0", "--fault_group", "1", "--restart_marker", marker]
+    hold = ["--hold_at_step", "10", "--hold_until", marker]
+    with lighthouse(min_groups=1) as address:
+        launches = [
+            start_group(g, 3, 2, tmp_path, [*common, "--export_dir", tmp_path / f"export{g}", *(kill if g == 1 else
+                        hold)], address, max_restarts=int(g == 1), preloaded=False)
+            for g in range(3)
+        ]  # fmt: skip
+        results = [finish(launch, 600) for launch in launches]
+    for g, result in enumerate(results):
+        assert result.returncode == 0, f"group {g}:\n{result.stdout[-6000:]}"
+    dumps = [torch.load(tmp_path / f"dump{g}" / "rank0.pt", weights_only=False) for g in range(3)]
+    assert dumps[1]["started_at_step"] > 6 and [dumps[g]["started_at_step"] for g in (0, 2)] == [0, 0]
+    ends = [next(h for h in d["log_history"] if "train_runtime" in h) for d in dumps]
+    assert len({end["fed_syncs"] for end in ends}) == 1, [end["fed_syncs"] for end in ends]
+    assert [end["fed_heals"] for end in ends] == [1, 1, 1]  # the federation's heals, as each group saw them
+    planned = [h["fed_round_steps"] for h in dumps[2]["log_history"] if "fed_round_steps" in h]
+    assert min(planned) < 4, planned  # the slowed group trained a prefix of some round
+    exports = [tmp_path / f"export{g}" / "model.safetensors" for g in range(3)]
+    digests = [hashlib.sha256(path.read_bytes()).hexdigest() for path in exports]
+    assert len(set(digests)) == 1, digests
 
 
 @pytest.mark.timeout(300)
