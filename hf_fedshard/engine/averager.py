@@ -716,12 +716,17 @@ class FederatedAverager:
 
     def _refuse_outside_rounds(self, what: str) -> None:
         """With a `Membership` every cross-group collective belongs to an averaging's round: refuse the others."""
-        if self.comm.membership is not None:
-            raise ConfigError(
-                f"hf_fedshard: at step {self.step_count} {what} between two averagings, which needs the groups "
-                "outside an averaging; with fed_transport torchft that happens only at averaging steps. Set "
-                "eval_steps/save_steps to multiples of fed_sync_steps (and keep load_best_model_at_end off)."
-            )
+        if self.comm.membership is None:
+            return
+        when = (
+            "evaluate after training: with fragments or overlap no step before the last holds one global model"
+            if self.schedule.streaming
+            else "set eval_steps/save_steps to multiples of fed_sync_steps (and keep load_best_model_at_end off)"
+        )
+        raise ConfigError(
+            f"hf_fedshard: at step {self.step_count} {what} between two averagings, which needs the groups outside "
+            f"an averaging; with fed_transport torchft that happens only at averaging steps: {when}."
+        )
 
     def _describe(self, trainable: list[nn.Parameter], device: torch.device) -> None:
         """Say once, on rank 0, how the model is averaged and the outer state's memory per rank."""

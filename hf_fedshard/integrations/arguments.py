@@ -92,8 +92,9 @@ class FedShardArgumentsMixin:
             transport registered with `hf_fedshard.transports.register_transport` (the three above are torchft's,
             and may be given here too).
         With torchft every group writes into `output_dir/fed_group{G}` (checkpoints, logs, the exported model),
-        evaluations must fall on averaging steps, and fragments, overlap, `fed_eval_per_group` and
-        `load_best_model_at_end` are refused (each needs the groups outside an averaging).
+        evaluations must fall on averaging steps (with fragments or overlap: `eval_strategy no`), each launch logs
+        only its own group's `fed_eval_per_group` loss, and `load_best_model_at_end` is refused (it needs the groups
+        outside an averaging).
 
     Batch arithmetic: one optimizer step of one group sees
     `per_device_train_batch_size × fed_group_size × gradient_accumulation_steps` samples (the *group batch*);
@@ -200,12 +201,6 @@ class FedShardArgumentsMixin:
                 "group's other ranks (and the other groups, whose batch is the same setting) would then wait on "
                 "collectives it no longer runs. Turn --auto_find_batch_size off and set a "
                 "--per_device_train_batch_size that fits."
-            )
-        if self.fed_eval_per_group and not layout.equal:
-            raise ConfigError(
-                f"fed_eval_per_group gathers each group's metrics over rank r of every group, which groups of unequal "
-                f"size (fed_group_size={layout.group_size_arg}) do not pair. Turn --fed_eval_per_group off: the "
-                "global model is still evaluated."
             )
         if self.fed_requested:
             self._check_sharding_backend()

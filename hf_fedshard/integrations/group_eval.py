@@ -3,7 +3,7 @@
 Between two averagings the groups' models drift apart; the global model that `evaluate()` reports is their
 average. Evaluating each group as well shows how far they drift and whether averaging helps or hurts (the
 paper's per-group curves). A group evaluates over its own ranks only, so no byte crosses the slow tier but
-one float per group.
+one float per group (none with a launch per group: each launch logs its own group's).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch.distributed import ProcessGroup, all_reduce, get_rank, get_world_size
 from torch.utils.data import Dataset
 
-from hf_fedshard.engine import Communicator
+from hf_fedshard.engine import FederationCommunicator
 from hf_fedshard.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -37,11 +37,15 @@ def rank_batches(num_samples: int, rank: int, world: int, batch_size: int) -> li
 
 
 @torch.no_grad()
-def evaluate_each_group(trainer: Trainer, group: ProcessGroup | None, peers: Communicator) -> dict[str, float]:
+def evaluate_each_group(
+    trainer: Trainer, group: ProcessGroup | None, federation: FederationCommunicator | None, index: int
+) -> dict[str, float]:
     """``eval_group{g}_loss`` of every group's own model (the sample mean, as `eval_loss`), on every rank.
 
-    A collective over the world: each group over its own ranks (``group``; ``None``: one rank), then one float per
-    group over ``peers`` (this rank's peers in the other groups).
+    Each group evaluates over its own ranks (``group``; ``None``: one rank); then each group's first rank puts its
+    loss in its slot of a vector summed over ``federation``'s control (every rank, whatever the groups' sizes), so
+    every rank logs every group's loss. ``federation`` ``None``: this launch is group ``index`` alone (a launch per
+    group, which meets the others only in averagings): it logs its own loss, and each launch logs its own.
     """
     dataset = trainer.eval_dataset
     collator = trainer.data_collator
@@ -61,10 +65,14 @@ def evaluate_each_group(trainer: Trainer, group: ProcessGroup | None, peers: Com
     totals = totals.to(device)
     if group is not None:
         all_reduce(totals, group=group)
-    losses = torch.zeros(peers.size(), dtype=torch.float64, device=device)
-    losses[peers.rank()] = totals[0] / totals[1]
-    peers.all_reduce_sum(losses)
-    return {f"eval_group{g}_loss": loss for g, loss in enumerate(losses.tolist())}
+    loss = totals[0] / totals[1]
+    if federation is None:
+        return {f"eval_group{index}_loss": loss.item()}
+    losses = torch.zeros(federation.num_groups, dtype=torch.float64, device=device)
+    if rank == 0:
+        losses[federation.group] = loss
+    federation.control.all_reduce_sum(losses)
+    return {f"eval_group{g}_loss": value for g, value in enumerate(losses.tolist())}
 
 
 def _loss_totals(

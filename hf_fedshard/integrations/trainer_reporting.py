@@ -39,7 +39,9 @@ class ReportingMixin(Trainer):
     def _evaluate_each_group(self) -> None:
         """Evaluate every group's own model (the averager calls this before the global model is evaluated)."""
         group = self._group_pg if self._group_size > 1 else None
-        metrics = evaluate_each_group(self, group, self.fed_communicator.peers)
+        apart = self.args.fed_launch.groups_publish_apart  # a launch per group: no collective outside averagings
+        index = self.args.fed_group_index(self.args.process_index)
+        metrics = evaluate_each_group(self, group, None if apart else self.fed_communicator, index)
         self._group_eval = (self.state.global_step, metrics)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -96,10 +96,11 @@ class GroupLaunch:
                 "the others only in averagings. Set --eval_strategy no (trainer.evaluate() after training "
                 "evaluates the final global model)."
             )
-        if args.load_best_model_at_end or args.fed_eval_per_group:
+        if args.load_best_model_at_end:
             raise ConfigError(
-                "load_best_model_at_end and fed_eval_per_group compare the groups outside an averaging, which a "
-                "launch per group does not do. Turn them off."
+                "load_best_model_at_end reloads each group's best checkpoint and averages them into one model after "
+                "training, outside any averaging, which a launch per group does not do (and a group that healed "
+                "later may hold no checkpoint of that step). Turn it off."
             )
 
     def _check_sizes(self, transport: str, sizes: tuple[int, ...], world: int) -> None:

@@ -41,8 +41,9 @@ ELASTIC = ["--fed_transport", "torchft", "--fed_lighthouse", "http://localhost:1
          r"^eval_steps=6 is not a multiple of fed_sync_steps=8"),
         (["--fed_group_id", "0", "--fed_num_groups", "2", "--fed_sync_fragments", "2", "--eval_strategy", "steps",
           "--eval_steps", "8"], r"^eval_strategy=steps with fed_sync_fragments/fed_sync_overlap: streamed"),
-        (["--fed_group_id", "0", "--fed_num_groups", "2", "--fed_eval_per_group", "true"],
-         r"^load_best_model_at_end and fed_eval_per_group"),
+        (["--fed_group_id", "0", "--fed_num_groups", "2", "--load_best_model_at_end", "true", "--eval_strategy",
+          "steps", "--eval_steps", "8", "--save_strategy", "steps", "--save_steps", "8"],
+         r"^load_best_model_at_end reloads each group's best checkpoint"),
     ],
 )  # fmt: skip
 def test_torchft_settings_are_refused_in_one_line(extra, message, monkeypatch):
@@ -185,6 +186,38 @@ def test_a_group_that_lost_a_streamed_round_heals_to_the_global_model_where_it_w
     results = elastic_run(12, fail={3: "2"}, **options)
     assert_groups_equal_reference(results, reference_for(options).run(12, heal_at=(2, 5)))
     assert [r[1].counters.syncs for r in results] == [1 + 6] * GROUPS
+
+
+@pytest.mark.parametrize(
+    ("options", "advice"),
+    [
+        ({}, "set eval_steps/save_steps to multiples of fed_sync_steps"),
+        ({"sync_overlap": 1}, "evaluate after training"),
+    ],
+    ids=["blocking", "overlap"],
+)
+def test_the_global_model_between_averagings_is_refused_with_rounds_in_one_line_before_any_collective(options, advice):
+    """With a membership the groups meet only in rounds: a lent global model at step 5 (H = 4) is refused on every
+    rank alike, before any collective, with the advice that fits the schedule."""
+
+    def rank_fn(comm: FederationCommunicator):
+        membership = FakeMembership({"published": threading.Event()}, comm.group, {})
+        comm = FederationCommunicator(peers=comm.peers, control=comm.control, exchange=comm.exchange,
+                                      membership=membership)  # fmt: skip
+        model, optimizer = build(comm.group)
+        averager = FederatedAverager(model, optimizer, communicator=comm, sync_steps=4, **options)
+        for step in range(1, 6):
+            train_step(model, optimizer, comm.group, step)
+            averager.step()
+        calls = comm.control.calls
+        with pytest.raises(ConfigError) as caught, averager.global_model():
+            pass
+        assert comm.control.calls == calls
+        return str(caught.value)
+
+    for message in run_federation(GROUPS, rank_fn):
+        assert message.startswith("hf_fedshard: at step 5 the global model is lent") and advice in message, message
+        assert "\n" not in message
 
 
 def test_metrics_carry_the_transports_own():
