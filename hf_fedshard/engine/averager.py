@@ -128,6 +128,7 @@ class FederatedAverager:
         self._loaded = average_initial_weights
         self._finished = self._lending = False
         self._groups_evaluated_at: int | None = None
+        self._lent: tuple[int, list[torch.Tensor] | None] | None = None  # a lend round's (step, means; None: healed)
         self._observers: list[AveragingObserver] = []
         params = model_state_tensors(model)[: self._trainable]
         device = outer_state_device(params, options.outer_state_on_device)
@@ -184,7 +185,10 @@ class FederatedAverager:
         if flight is not None and flight.in_flight.begun.apply_step == step:
             self._land(flight)
         fragment = self.schedule.starting(step)
+        lend = evaluating and not last and self.comm.membership is not None
         if fragment is None and not last:
+            if lend:
+                self._lend_round()
             return
         if last or self.schedule.overlap == 0:
             if evaluating and not self._identical():
@@ -193,7 +197,11 @@ class FederatedAverager:
                 self.finish()
             elif self.fragments[fragment].averaged_at < step:
                 self._average([fragment])
+            if lend:
+                self._lend_round()
             return
+        if lend:  # before the begin: a round's quorum forms only where nothing is in flight
+            self._lend_round()
         self._begin_overlapped(self.fragments[fragment])
 
     def finish(self) -> None:
@@ -224,18 +232,21 @@ class FederatedAverager:
         """
         if self._lending:
             raise RuntimeError("FederatedAverager.global_model() is already open: the blocks do not nest.")
-        if self._identical():
+        lent = self._lent[1] if self._lent is not None and self._lent[0] == self.step_count else ()
+        if self._identical() or lent is None:  # one model; or this group healed in the lend round: its own
             yield
             return
-        self._refuse_outside_rounds("the global model is lent (an evaluation or an export)")
-        if evaluating:
-            self._evaluate_groups()
         tensors = model_state_tensors(self.model)
         own = [t.clone() for t in tensors]
-        diverged = self._agree(tensors)
-        if len(diverged) < self.comm.num_groups:
-            contribute, contributors = self._contribution(diverged)
-            self.counters.inter_group_bytes += self._plain_mean(tensors, self._addresses, contributors, contribute)
+        if lent:  # the lend round of this step (`_lend_round`) already averaged them: no collective here
+            with torch.no_grad():
+                for tensor, mean in zip(tensors, lent, strict=True):
+                    tensor.copy_(mean)
+        else:
+            self._refuse_outside_rounds("the global model is lent (an evaluation or an export)")
+            if evaluating:
+                self._evaluate_groups()
+            self._lend_now(tensors)
         self._lending = True
         try:
             yield
@@ -244,6 +255,41 @@ class FederatedAverager:
             with torch.no_grad():
                 for tensor, saved in zip(model_state_tensors(self.model), own, strict=True):
                     tensor.copy_(saved)
+
+    def _lend_now(self, tensors: list[torch.Tensor]) -> None:
+        """``tensors`` ← the groups' plain mean (the diverged left out), the bytes counted."""
+        diverged = self._agree(tensors)
+        if len(diverged) < self.comm.num_groups:
+            contribute, contributors = self._contribution(diverged)
+            self.counters.inter_group_bytes += self._plain_mean(tensors, self._addresses, contributors, contribute)
+
+    def _lend_round(self) -> None:
+        """With a `Membership`, an evaluation between averagings: a round of its own (the plain mean of the model
+        state into copies, committed), whose result `global_model` lends at this step without a collective. It runs
+        where nothing is in flight (a quorum may form after it); a group that heals in it evaluates its own model,
+        the source's committed one. Nothing else changes: the training trajectory is the same with or without it."""
+        step = self.step_count
+        if self._identical():
+            return
+        if self._in_flight() is not None:
+            raise ConfigError(
+                f"hf_fedshard: an evaluation at step {step} falls while an exchange begun at step "
+                f"{self._in_flight().in_flight.begun.start_step} is in flight, where fed_transport torchft cannot "
+                f"form a round. Evaluate on multiples of fed_sync_steps / fed_sync_fragments = "
+                f"{self.schedule.sync_steps // self.schedule.fragments}."
+            )
+        self._evaluate_groups()
+        self._lent = (step, None)
+
+        def attempt() -> list[torch.Tensor]:
+            means = [t.detach().clone() for t in model_state_tensors(self.model)]
+            self._lend_now(means)
+            return means
+
+        def apply(means: list[torch.Tensor]) -> None:
+            self._lent = (step, means)
+
+        self._in_round(attempt, apply)
 
     def adopt_plain_average(self) -> None:
         """Make every group's model the groups' plain average now (a collective, no outer step), e.g. after each

@@ -52,6 +52,9 @@ thread) and its COMMIT, APPLY and QUORUM come at s + τ. What the invariants mea
   taken inside the window holds only what the averaging began with; a resume attempts it again.
 - I4 a group that heals takes the source's committed anchors, step and count, and no averaging in flight.
 - I8 the count and the lineage advance once per committed fragment.
+
+An evaluation between averagings (`FederatedAverager`'s lend round) is a round too: its EXCHANGE is the plain mean
+of the model state into copies, its APPLY only keeps them for the evaluation; it runs where nothing is in flight.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class FedShardArgumentsMixin:
             transport registered with `hf_fedshard.transports.register_transport` (the three above are torchft's,
             and may be given here too).
         With torchft every group writes into `output_dir/fed_group{G}` (checkpoints, logs, the exported model),
-        evaluations must fall on averaging steps (with fragments or overlap: `eval_strategy no`), each launch logs
+        an evaluation between averagings is a round of its own (not inside an exchange's flight), each launch logs
         only its own group's `fed_eval_per_group` loss, and `load_best_model_at_end` is refused (it needs the groups
         outside an averaging).
 

@@ -6,6 +6,7 @@ on a transport's name.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -82,20 +83,17 @@ class GroupLaunch:
     def check_training(self, args: Any) -> None:
         """The groups meet only in averagings: what would need them in between is refused (``args``: the Trainer's
         arguments)."""
-        sync, steps = args.fed_sync_steps, args.eval_steps
-        if args.eval_strategy == "steps" and steps and (steps < 1 or int(steps) % sync):
-            raise ConfigError(
-                f"eval_steps={steps} is not a multiple of fed_sync_steps={sync}: with a launch per group the groups "
-                f"hold one global model only at averaging steps. Set --eval_steps to a multiple of {sync}."
-            )
-        strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
-        if args.fed_schedule.streaming and strategy != "no":
-            raise ConfigError(
-                f"eval_strategy={strategy} with fed_sync_fragments/fed_sync_overlap: streamed averagings "
-                "leave no step but the last where the groups hold one global model, and a launch per group meets "
-                "the others only in averagings. Set --eval_strategy no (trainer.evaluate() after training "
-                "evaluates the final global model)."
-            )
+        schedule, steps = args.fed_schedule, args.eval_steps
+        period = schedule.sync_steps // schedule.fragments  # an exchange begins every period steps, in flight τ − 1
+        if schedule.overlap > 1 and args.eval_strategy == "steps" and steps:
+            step = math.gcd(int(steps), period) if steps >= 1 else 1  # the first evaluation step after a begin
+            if step < period and step < schedule.overlap:
+                raise ConfigError(
+                    f"eval_steps={steps} puts evaluations inside an exchange's flight (steps s + 1 … s + τ − 1 after "
+                    f"each begin s, every fed_sync_steps / fed_sync_fragments = {period} steps): with a launch per "
+                    "group an evaluation between averagings is a round of the groups alive, which cannot form while "
+                    f"an exchange is in flight. Set --eval_steps to a multiple of {period}."
+                )
         if args.load_best_model_at_end:
             raise ConfigError(
                 "load_best_model_at_end reloads each group's best checkpoint and averages them into one model after "

@@ -34,8 +34,8 @@ H4_10_STEPS = [*TINY, "--max_steps", "10", "--fed_sync_steps", "4"]
         pytest.param(["--fed_shard_size", "1", "--fed_sync_dtype", "bfloat16"], id="fl-hsdp-bf16"),
         pytest.param(
             ["--fed_sync_fragments", "2", "--fed_sync_overlap", "1", "--fed_outer_optimizer", "nesterov",
-             "--fed_sync_dtype", "int8"],
-            id="fragments-overlap-nesterov-int8",
+             "--fed_sync_dtype", "int8", "--eval_strategy", "steps", "--eval_steps", "3"],
+            id="fragments-overlap-nesterov-int8-evaluations",
         ),
     ],
 )  # fmt: skip
@@ -60,6 +60,10 @@ def test_torchft_equals_the_one_job_mesh_to_the_bit(tmp_path, extra, request):
                     value, theirs["local_params"][name], rtol=0, atol=0, msg=labelled(f"group {g} rank {r} {name}")
                 )
             assert ours["eval"]["eval_loss"] == theirs["eval"]["eval_loss"]
+            evals = [[(h["step"], h["eval_loss"]) for h in run["log_history"] if "eval_loss" in h] for run in (ours,
+                     theirs)]  # fmt: skip
+            assert evals[0] == evals[1]  # evaluations between averagings: torchft's lend rounds lend the same mean
+            assert len(evals[0]) == (5 if "--eval_steps" in common else 1)  # steps 3, 6, 9, the last, and after
     group_losses = [[h["loss"] for h in groups[g][0]["log_history"] if "loss" in h] for g in range(2)]
     one_job = [h["loss"] for h in mesh[0]["log_history"] if "loss" in h]  # the world's mean; each launch logs its own
     assert [(a + b) / 2 for a, b in zip(*group_losses, strict=True)] == pytest.approx(one_job, rel=1e-6)

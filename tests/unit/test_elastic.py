@@ -13,6 +13,7 @@ import os
 import threading
 
 import pytest
+import torch
 from transformers import TrainerState
 
 from hf_fedshard import FederatedAverager, FedShardTrainingArguments
@@ -37,10 +38,8 @@ ELASTIC = ["--fed_transport", "torchft", "--fed_lighthouse", "http://localhost:1
         (["--fed_group_id", "0", "--fed_num_groups", "2"], r"^fed_transport torchft needs fed_lighthouse"),
         (["--fed_group_id", "2", "--fed_num_groups", "2"], r"^fed_group_id=2 must be in 0 … fed_num_groups - 1"),
         (["--fed_group_id", "0", "--fed_num_groups", "2", "--fed_group_size", "2"], r"^fed_group_size=2 but this"),
-        (["--fed_group_id", "0", "--fed_num_groups", "2", "--eval_strategy", "steps", "--eval_steps", "6"],
-         r"^eval_steps=6 is not a multiple of fed_sync_steps=8"),
-        (["--fed_group_id", "0", "--fed_num_groups", "2", "--fed_sync_fragments", "2", "--eval_strategy", "steps",
-          "--eval_steps", "8"], r"^eval_strategy=steps with fed_sync_fragments/fed_sync_overlap: streamed"),
+        (["--fed_group_id", "0", "--fed_num_groups", "2", "--fed_sync_overlap", "2", "--eval_strategy", "steps",
+          "--eval_steps", "3"], r"^eval_steps=3 puts evaluations inside an exchange's flight"),
         (["--fed_group_id", "0", "--fed_num_groups", "2", "--load_best_model_at_end", "true", "--eval_strategy",
           "steps", "--eval_steps", "8", "--save_strategy", "steps", "--save_steps", "8"],
          r"^load_best_model_at_end reloads each group's best checkpoint"),
@@ -218,6 +217,43 @@ def test_the_global_model_between_averagings_is_refused_with_rounds_in_one_line_
     for message in run_federation(GROUPS, rank_fn):
         assert message.startswith("hf_fedshard: at step 5 the global model is lent") and advice in message, message
         assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"sync_fragments": 2, "sync_overlap": 1}], ids=["blocking", "2-fragments-overlap"]
+)
+def test_an_evaluation_between_averagings_is_a_round_that_lends_the_plain_mean_and_changes_nothing(options):
+    """An evaluation at step 6 (H = 4; with 2 fragments, the step fragment 0 begins): a round of its own (one more
+    commit) averages the groups' models as they are after step 6; `global_model` lends that mean without a
+    collective and gives each group its own back; the run ends on the rule's values as without the evaluation."""
+
+    def rank_fn(comm: FederationCommunicator):
+        membership = FakeMembership({"published": threading.Event()}, comm.group, {})
+        comm = FederationCommunicator(peers=comm.peers, control=comm.control, exchange=comm.exchange,
+                                      membership=membership)  # fmt: skip
+        model, optimizer = build(comm.group)
+        averager = FederatedAverager(model, optimizer, communicator=comm, sync_steps=4, **options)
+        own = lent = None
+        for step in range(1, 13):
+            train_step(model, optimizer, comm.group, step)
+            averager.step(evaluating=step == 6, last=step == 12)
+            if step == 6:
+                own = [t.detach().clone() for t in (*model.parameters(), model.stat)]
+                calls = comm.control.calls, comm.peers.calls
+                with averager.global_model(evaluating=True):
+                    lent = [t.detach().clone() for t in (*model.parameters(), model.stat)]
+                assert (comm.control.calls, comm.peers.calls) == calls
+                assert all(torch.equal(a, b) for a, b in zip(own, (*model.parameters(), model.stat), strict=True))
+        return [t.detach().clone() for t in (*model.parameters(), model.stat)], own, lent, membership.commits
+
+    results = run_federation(GROUPS, rank_fn)
+    assert_groups_equal_reference([(r[0],) for r in results], reference_for(options).run(12))
+    owns = [r[1] for r in results]
+    for g, (_, _, lent, commits) in enumerate(results):
+        for i, tensor in enumerate(lent):
+            mean = (owns[0][i] + owns[1][i] + owns[2][i]) / GROUPS
+            assert torch.equal(tensor, mean), f"group {g} tensor {i}"
+        assert commits == elastic_run(12, fail={}, **options)[g][2].commits + 1
 
 
 def test_metrics_carry_the_transports_own():
