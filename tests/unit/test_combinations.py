@@ -7,9 +7,9 @@ table docs/overlap.md ("Which settings combine") shows.
 
 Factors: transport (mesh; elastic with a round that does not commit; elastic with a group that loses a round the
 others commit and heals), H, fragments F, overlap τ, payload, outer optimizer, round policy (speed: group g's step
-costs 1, 2, 4 fake seconds), HSDP replicas per group (1, 2: the exchange split over them) and optimizer-state
-averaging. Groups of unequal size are not a factor here: `tests/unit/test_engine.py` runs their exchange through the
-same cells of schedule, overlap and outer optimizer.
+costs 1, 2, 4 fake seconds), HSDP replicas per group (1, 2: the exchange split over them), group sizes (equal; or
+unequal: group 0 one replica more, weighing its ranks, exchanged piece by piece over every rank) and optimizer-state
+averaging.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from hf_fedshard import FederatedAverager
 from hf_fedshard.engine import FederationCommunicator
 from hf_fedshard.engine.codec import alignment, decode, encode
+from hf_fedshard.engine.pieces import GroupShape
 from hf_fedshard.errors import ConfigError
 
 from ..asserts import labelled
@@ -42,6 +43,7 @@ FACTORS = {
     "outer_optimizer": ["fedavg", "nesterov"],
     "round_policy": ["steps", "speed"],
     "replicas": [1, 2],
+    "groups": ["equal", "unequal"],
     "average_optimizer_state": [False, True],
 }
 COST = (1.0, 2.0, 4.0)  # fake seconds per trained step of each group (speed-aware rounds)
@@ -107,30 +109,42 @@ def steps_of(cell: dict) -> int:
 # ---- The engine, in threads ----
 
 
+def sizes_of(cell: dict) -> list[int]:
+    """Each group's ranks (replicas of whole tensors): equal, or group 0 one replica more."""
+    replicas = cell["replicas"]
+    return [replicas + (cell["groups"] == "unequal" and g == 0) for g in range(GROUPS)]
+
+
 def engine_cell(cell: dict) -> list:
-    """Each rank's parameters, buffer and momentum buffers at the end; one thread per (group, replica)."""
-    replicas, steps = cell["replicas"], steps_of(cell)
-    ranks = GROUPS * replicas
-    shared = {name: {"barrier": threading.Barrier(ranks, timeout=BARRIER_TIMEOUT_S)} for name in ("c",)}
-    for replica, name in itertools.product(range(replicas), ("p", "x")):
-        shared[f"{name}{replica}"] = {"barrier": threading.Barrier(GROUPS, timeout=BARRIER_TIMEOUT_S)}
+    """Each rank's parameters, buffer and momentum buffers at the end; one thread per rank, ranks group by group."""
+    sizes, steps = sizes_of(cell), steps_of(cell)
+    ranks, firsts = sum(sizes), [sum(sizes[:g]) for g in range(GROUPS)]
+    barrier = lambda n: {"barrier": threading.Barrier(n, timeout=BARRIER_TIMEOUT_S)}  # noqa: E731
+    shared = {"c": barrier(ranks), "x": barrier(ranks)}
+    for replica, name in itertools.product(range(max(sizes)), ("p", "x")):
+        shared[f"{name}{replica}"] = barrier(GROUPS)
     for group in range(GROUPS):
-        shared[f"r{group}"] = {"barrier": threading.Barrier(replicas, timeout=BARRIER_TIMEOUT_S)}
+        shared[f"r{group}"] = barrier(sizes[group])
     fail = {}
     if cell["transport"] != "mesh":
         fail = {FAILED_COMMIT: "all" if cell["transport"] == "elastic-redo" else str(HEALING)}
-    heal_shared: list[dict] = [{"published": threading.Event()} for _ in range(replicas)]
+    heal_shared: dict = {"published": threading.Event()}
+    shapes = tuple(GroupShape(tuple(range(first, first + n)), 1) for first, n in zip(firsts, sizes, strict=True))
+
+    def communicator(rank: int, group: int, replica: int) -> FederationCommunicator:
+        control = FakeCommunicator(shared["c"], rank, ranks)
+        membership = FakeMembership(heal_shared, group, fail) if fail else None
+        common = {"timeout": "fed_timeout_s=5", "membership": membership, "hsdp_replicas": sizes[group]}
+        if cell["groups"] == "unequal":  # no peers: pieces over every rank, the worker's own world
+            exchange = Counted(FakeCommunicator(shared["x"], rank, ranks))
+            return FederationCommunicator(None, control, exchange, groups=shapes, this_group=group, **common)
+        peers, exchange = (Counted(FakeCommunicator(shared[f"{n}{replica}"], group, GROUPS)) for n in ("p", "x"))
+        split = FakeCommunicator(shared[f"r{group}"], replica, sizes[group]) if sizes[group] > 1 else None
+        return FederationCommunicator(peers, control, exchange, split=split, **common)
 
     def rank_fn(world: FakeCommunicator) -> list[torch.Tensor]:
-        group, replica = divmod(world.rank(), replicas)
-        peers, exchange = (Counted(FakeCommunicator(shared[f"{n}{replica}"], group, GROUPS)) for n in ("p", "x"))
-        control = FakeCommunicator(shared["c"], world.rank(), ranks)
-        split = FakeCommunicator(shared[f"r{group}"], replica, replicas) if replicas > 1 else None
-        membership = FakeMembership(heal_shared[replica], group, fail) if fail else None
-        comm = FederationCommunicator(
-            peers=peers, control=control, exchange=exchange, split=split, hsdp_replicas=replicas,
-            timeout="fed_timeout_s=5", membership=membership,
-        )  # fmt: skip
+        group = max(g for g in range(GROUPS) if firsts[g] <= world.rank())
+        comm = communicator(world.rank(), group, world.rank() - firsts[group])
         now = [0.0]
         model, optimizer = build(group)
         averager = FederatedAverager(model, optimizer, communicator=comm, clock=lambda: now[0], **settings_of(cell))
@@ -175,10 +189,12 @@ class PlainRule:
         self.f, self.tau = cell["sync_fragments"], cell["sync_overlap"]
         self.ranges = RANGES[self.f]
         self.lr, self.momentum = (0.7, 0.9) if cell["outer_optimizer"] == "nesterov" else (1.0, 0.0)
+        self.unequal = cell["groups"] == "unequal"
+        self.weights = sizes_of(cell) if self.unequal else [1] * GROUPS  # samples per step, in ranks
         self.models, self.optimizers = zip(*(build(g) for g in range(GROUPS)), strict=True)
         with torch.no_grad():  # step 0: the plain mean of the initial state
             for tensors in zip(*(self.state(g) for g in range(GROUPS)), strict=True):
-                mean = sum(t.float() for t in tensors) / GROUPS
+                mean = self.plain(list(tensors))
                 for t in tensors:
                     t.copy_(mean)
         self.anchor = [p.detach().float().clone() for p in self.params(0)]
@@ -223,23 +239,44 @@ class PlainRule:
 
     @torch.no_grad()
     def begin(self, fragments: list[int], step: int, later: int, trained: list[int]) -> Begun:
-        weight = float(sum(trained)) if self.cell["round_policy"] == "speed" else GROUPS
+        speed = self.cell["round_policy"] == "speed"
+        weight = float(sum(w * s for w, s in zip(self.weights, trained, strict=True))) if speed else sum(self.weights)
         means = {}
         for f in fragments:
             a, b = self.ranges[f]
-            sent = [torch.cat([(self.anchor[i] - self.params(g)[i].float()).reshape(-1) for i in range(a, b)])
+            sent = [[(self.anchor[i] - self.params(g)[i].float()).reshape(-1) for i in range(a, b)]
                     for g in range(GROUPS)]  # fmt: skip
-            if self.cell["round_policy"] == "speed":
-                sent = [d * float(trained[g]) for g, d in enumerate(sent)]
-            flat = self.mean(sent, weight)
-            sizes = [self.anchor[i].numel() for i in range(a, b)]
-            means[f] = [m.view_as(self.anchor[i]) for m, i in zip(flat.split(sizes), range(a, b), strict=True)]
+            if speed:
+                sent = [[d * float(trained[g]) for d in deltas] for g, deltas in enumerate(sent)]
+            if self.unequal:  # piece by piece: here each tensor is one piece, encoded on its own
+                flats = [self.weighted_mean([deltas[k] for deltas in sent], weight) for k in range(b - a)]
+            else:  # the fragment's tensors in one flat payload
+                flat = self.mean([torch.cat(deltas) for deltas in sent], weight)
+                flats = flat.split([self.anchor[i].numel() for i in range(a, b)])
+            means[f] = [m.view_as(self.anchor[i]) for m, i in zip(flats, range(a, b), strict=True)]
         rest = None
         if self.f - 1 in fragments:
-            rests = [self.rest(g) for g in range(GROUPS)]
-            rest = [(x + y + z) / GROUPS for x, y, z in zip(*rests, strict=True)]
+            rest = [self.plain(list(tensors)) for tensors in zip(*(self.rest(g) for g in range(GROUPS)), strict=True)]
         snapshots = [[p.float().clone() for p in self.params(g)] for g in range(GROUPS)] if later else None
         return Begun(fragments, step + later, means, rest, snapshots)
+
+    def plain(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """A plain mean in fp32: equal groups sum in group order; groups of unequal size weigh each by its ranks."""
+        if not self.unequal:
+            return (tensors[0].float() + tensors[1].float() + tensors[2].float()) / GROUPS
+        total = torch.zeros_like(tensors[0], dtype=torch.float32)
+        for w, t in zip(self.weights, tensors, strict=True):
+            total += w * t.float()
+        return total / sum(self.weights)
+
+    def weighted_mean(self, sent: list[torch.Tensor], weight: float) -> torch.Tensor:
+        """One piece's mean over groups of unequal size: D(E(Σ_g w_g D(E(x_g)) / W)), summed from zero in group
+        order, each payload encoded on its own (padded to the codec's block)."""
+        dtype, n = self.cell["sync_dtype"], sent[0].numel()
+        total = torch.zeros(n)
+        for w, x in zip(self.weights, sent, strict=True):
+            total += w * decode(encode(F.pad(x, (0, -n % alignment(dtype))), dtype))[:n]
+        return decode(encode(F.pad(total / weight, (0, -n % alignment(dtype))), dtype))[:n]
 
     def mean(self, sent: list[torch.Tensor], weight: float) -> torch.Tensor:
         """The exchange's mean of the groups' flat payloads: fp32 summed in group order; otherwise each payload
@@ -299,8 +336,9 @@ def test_every_pair_of_settings_runs_to_the_rule_or_is_refused_for_its_reason(ce
         return
     ranks = engine_cell(cell)
     want = PlainRule(cell).run()
+    sizes = sizes_of(cell)
     for rank, got in enumerate(ranks):
-        group = rank // cell["replicas"]
+        group = max(g for g in range(GROUPS) if sum(sizes[:g]) <= rank)
         for i, (tensor, expected) in enumerate(zip(got, want[group], strict=True)):
             torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=labelled(f"rank {rank} tensor {i}"))
 
