@@ -113,6 +113,15 @@ class FakeMembership:
         return {"fed_commits": self.commits}
 
 
+def with_membership(
+    comm: FederationCommunicator, shared: dict, fail: dict[int, str]
+) -> tuple[FederationCommunicator, FakeMembership]:
+    """``comm`` with a `FakeMembership` of its group (``shared`` among the groups; ``fail``: its failing commits)."""
+    membership = FakeMembership(shared, comm.group, fail)
+    peers, control, exchange = comm.peers, comm.control, comm.exchange
+    return FederationCommunicator(peers, control, exchange, timeout=comm.timeout, membership=membership), membership
+
+
 def elastic_run(steps: int, fail: dict[int, str], **options) -> list:
     """`test_engine.engine_run` with a `FakeMembership` on every group's communicator."""
     shared = {"published": threading.Event()}
@@ -120,10 +129,7 @@ def elastic_run(steps: int, fail: dict[int, str], **options) -> list:
 
     def rank_fn(comm: FederationCommunicator):
         group = comm.group
-        membership = FakeMembership(shared, group, fail)
-        comm = FederationCommunicator(
-            peers=comm.peers, control=comm.control, exchange=comm.exchange, timeout=comm.timeout, membership=membership
-        )
+        comm, membership = with_membership(comm, shared, fail)
         model, optimizer = build(group)
         averager = FederatedAverager(model, optimizer, communicator=comm, **options)
         for step in range(1, steps + 1):
@@ -200,9 +206,7 @@ def test_the_global_model_between_averagings_is_refused_with_rounds_in_one_line_
     rank alike, before any collective, with the advice that fits the schedule."""
 
     def rank_fn(comm: FederationCommunicator):
-        membership = FakeMembership({"published": threading.Event()}, comm.group, {})
-        comm = FederationCommunicator(peers=comm.peers, control=comm.control, exchange=comm.exchange,
-                                      membership=membership)  # fmt: skip
+        comm, _ = with_membership(comm, {"published": threading.Event()}, {})
         model, optimizer = build(comm.group)
         averager = FederatedAverager(model, optimizer, communicator=comm, sync_steps=4, **options)
         for step in range(1, 6):
@@ -228,9 +232,7 @@ def test_an_evaluation_between_averagings_is_a_round_that_lends_the_plain_mean_a
     collective and gives each group its own back; the run ends on the rule's values as without the evaluation."""
 
     def rank_fn(comm: FederationCommunicator):
-        membership = FakeMembership({"published": threading.Event()}, comm.group, {})
-        comm = FederationCommunicator(peers=comm.peers, control=comm.control, exchange=comm.exchange,
-                                      membership=membership)  # fmt: skip
+        comm, membership = with_membership(comm, {"published": threading.Event()}, {})
         model, optimizer = build(comm.group)
         averager = FederatedAverager(model, optimizer, communicator=comm, sync_steps=4, **options)
         own = lent = None
