@@ -34,7 +34,8 @@ H4_10_STEPS = [*TINY, "--max_steps", "10", "--fed_sync_steps", "4"]
         pytest.param(["--fed_shard_size", "1", "--fed_sync_dtype", "bfloat16"], id="fl-hsdp-bf16"),
         pytest.param(
             ["--fed_sync_fragments", "2", "--fed_sync_overlap", "1", "--fed_outer_optimizer", "nesterov",
-             "--fed_sync_dtype", "int8", "--eval_strategy", "steps", "--eval_steps", "3"],
+             "--fed_sync_dtype", "int8", "--eval_strategy", "steps", "--eval_steps", "3", "--fed_eval_per_group",
+             "true"],
             id="fragments-overlap-nesterov-int8-evaluations",
         ),
     ],
@@ -64,6 +65,11 @@ def test_torchft_equals_the_one_job_mesh_to_the_bit(tmp_path, extra, request):
                      theirs)]  # fmt: skip
             assert evals[0] == evals[1]  # evaluations between averagings: torchft's lend rounds lend the same mean
             assert len(evals[0]) == (5 if "--eval_steps" in common else 1)  # steps 3, 6, 9, the last, and after
+            if "--fed_eval_per_group" in common:  # each launch logs its own group's loss, the one job's value
+                key, other = f"eval_group{g}_loss", f"eval_group{1 - g}_loss"
+                own = [[(h["step"], h[key]) for h in run["log_history"] if key in h] for run in (ours, theirs)]
+                assert own[0] and own[0] == own[1]
+                assert not any(other in h for h in ours["log_history"])
     group_losses = [[h["loss"] for h in groups[g][0]["log_history"] if "loss" in h] for g in range(2)]
     one_job = [h["loss"] for h in mesh[0]["log_history"] if "loss" in h]  # the world's mean; each launch logs its own
     assert [(a + b) / 2 for a, b in zip(*group_losses, strict=True)] == pytest.approx(one_job, rel=1e-6)
