@@ -41,7 +41,7 @@ from hf_fedshard.engine.fragments import Fragment, fragment_ranges
 from hf_fedshard.engine.observer import AveragingObserver
 from hf_fedshard.engine.options import AveragingOptions, averaging_options
 from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat, outer_state_device
-from hf_fedshard.engine.overlap import Begun, InFlight, Outcome, Worker, exchanged
+from hf_fedshard.engine.overlap import Begun, InFlight, Outcome, Worker
 from hf_fedshard.engine.payload import (
     Address,
     all_finite,
@@ -503,7 +503,7 @@ class FederatedAverager:
         agreed = self._agree_values(begun.finite, begun)
         contribute, contributors = self._contribution(agreed.diverged)
         scale, weighted = self._speed_weights(agreed, contributors)
-        params = self._payload()[: self._trainable]
+        params = model_state_tensors(self.model)[: self._trainable]  # not the moments: Δ is of parameters
         deltas = [
             self._deltas(self.fragments[i].outer, begun.sources(k, self.fragments[i].of(params)), contribute)
             for k, i in enumerate(begun.fragments)
@@ -522,7 +522,7 @@ class FederatedAverager:
                 sent += nbytes
             plain = [t.clone() for t in begun.rest] if redo else list(begun.rest)
             sent += self._plain_mean(plain, rest_addresses, contributors, contribute, background)
-            return exchanged(head, means, plain, sent)
+            return replace(head, means=means, plain=plain, sent=sent)
 
         return head, run
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -159,8 +159,3 @@ def _ready_event(tensors: Sequence[torch.Tensor]) -> torch.cuda.Event | None:
     event = torch.cuda.Event()
     event.record()
     return event
-
-
-def exchanged(head: Outcome, means: list[list[torch.Tensor]], plain: list[torch.Tensor], sent: int) -> Outcome:
-    """``head`` (the agreement and Δ) with the exchange's results."""
-    return replace(head, means=means, plain=plain, sent=sent)
