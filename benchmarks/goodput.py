@@ -3,6 +3,8 @@
     sudo python -m benchmarks.goodput --quick      # 4 groups × 1 rank, T = 30 s, 60 s runs, under 15 minutes
     sudo python -m benchmarks.goodput              # 4 groups × 2 ranks, T = 120 s, 240 s runs, under 45 minutes
     sudo python -m benchmarks.goodput --intervals-s 30 60 120 --faults launch     # the failure-rate sweep
+    sudo python -m benchmarks.goodput --paths torchft torchft-overlap-int8 --faults worker launch --repeats 2
+                                                   # the overlapped int8 averaging against the blocking one
     sudo python -m benchmarks.goodput --quick --groups 2 --run-s 10 --intervals-s 8 --restart-s 2 --faults full
                                                    # the smoke the tests run: 1 fault a run, 4 runs of 10 s
 
@@ -22,11 +24,14 @@ of each T: at T/2, 3T/2, …, so a run of n·T seconds holds n faults), of one o
 The victims of ``worker`` and ``launch`` are groups 1, 2, 3 in turn (group 0's node hosts the lighthouse and the job's
 rendezvous; with ``--groups G``, groups 1 … G-1). At the end of a run the study writes one step S (past every group's)
 to the launches' stop file; every group stops at its averaging of S and writes the SHA-256 of its shards, so the table
-says whether the groups ended on one model. Two paths:
+says whether the groups ended on one model. The paths (``--paths``, default ``torchft mesh``):
 
 - ``torchft``: ``--fed_transport torchft``, one torchrun per group, a lighthouse (``--min_groups 1``,
   ``--join_timeout_s 10``, ``--heartbeat_timeout_s 2``) on node 0; the survivors go on averaging among themselves,
   the restarted group heals from a live one and rejoins;
+- ``torchft-overlap-int8``: the same with the README's performance tips, ``--fed_sync_overlap 1 --fed_sync_dtype
+  int8`` (each averaging's exchange runs while the next step trains; a round that loses a group is redone at its
+  apply step);
 - ``mesh``: today's path, one job of 4 nodes (``torchrun --nnodes 4 --rdzv-backend c10d --max-restarts 100``) with
   ``--fed_auto_resume`` and a checkpoint every K = 16 steps: a killed group stops every group, torchrun restarts
   the whole job once the node is back, and it resumes from the newest checkpoint.
@@ -66,8 +71,15 @@ from benchmarks.harness.netns import Cluster, handle_termination
 from benchmarks.harness.process_tree import kill
 from benchmarks.harness.study import Study, add_folder_options, new_parser
 
-PATHS = ("torchft", "mesh")
+# Each path: its transport, and the settings it adds to every launch. ``torchft-overlap-int8`` is the README's
+# performance tips (an int8 payload exchanged while the next τ = 1 steps train) on torchft's elastic groups.
+PATHS = {
+    "torchft": ("torchft", []),
+    "torchft-overlap-int8": ("torchft", ["--fed_sync_overlap", "1", "--fed_sync_dtype", "int8"]),
+    "mesh": ("mesh", []),
+}
 FAULTS = ("worker", "launch", "full")
+BLOCK_SIZE = BenchConfig().block_size  # tokens per sample of `prepare_data`'s blocks
 
 
 @dataclass
@@ -78,6 +90,7 @@ class GoodputConfig:
     ranks_per_group: int = 2
     intervals_s: tuple[float, ...] = (120.0,)  # T: a fault every T seconds of training
     faults: tuple[str, ...] = FAULTS
+    paths: tuple[str, ...] = ("torchft", "mesh")
     restart_s: float = 10.0  # R: a killed launch (``full``: the lighthouse) is started again R seconds later
     stagger_s: float = 5.0  # ``full``: group g is started g × this after the lighthouse
     run_s: float = 240.0  # training wall time of every run (from the first step): 2 faults at T = 120 s
@@ -103,6 +116,15 @@ class GoodputConfig:
             raise ValueError(f"every interval must lie between R={self.restart_s} s and the run, {self.run_s} s.")
         if unknown := set(self.faults) - set(FAULTS):
             raise ValueError(f"--faults {' '.join(sorted(unknown))}: the kinds are {', '.join(FAULTS)}.")
+        if unknown := set(self.paths) - set(PATHS):
+            raise ValueError(f"--paths {' '.join(sorted(unknown))}: the paths are {', '.join(PATHS)}.")
+        if self.paths[0] != "torchft":
+            raise ValueError("--paths must begin with torchft: the targets compare the other paths with it.")
+
+
+def elastic(path: str) -> bool:
+    """Whether ``path`` runs a launch per group under torchft (else one mesh job)."""
+    return PATHS[path][0] == "torchft"
 
 
 @dataclass
@@ -136,11 +158,12 @@ def train_args(cfg: GoodputConfig, data: Path, run_dir: Path, log: str) -> list[
 
 def launch_commands(cfg: GoodputConfig, path: str, data: Path, run_dir: Path, rendezvous: str) -> list[list[str]]:
     """One command per group's node: a torchft group of its own, or a node of the one mesh job."""
-    if path == "torchft":
-        return [faults.torchrun(cfg.ranks_per_group, [*train_args(cfg, data, run_dir, f"group{g}"),
+    extra = PATHS[path][1]
+    if elastic(path):
+        return [faults.torchrun(cfg.ranks_per_group, [*train_args(cfg, data, run_dir, f"group{g}"), *extra,
                 "--fed_transport", "torchft", "--fed_lighthouse", rendezvous, "--fed_group_id", str(g),
                 "--fed_num_groups", str(cfg.groups)], max_restarts=100) for g in range(cfg.groups)]  # fmt: skip
-    args = [*train_args(cfg, data, run_dir, "job"), "--fed_group_size", str(cfg.ranks_per_group)]
+    args = [*train_args(cfg, data, run_dir, "job"), *extra, "--fed_group_size", str(cfg.ranks_per_group)]
     return [faults.torchrun(cfg.ranks_per_group, args, rendezvous, g, cfg.groups, max_restarts=100)
             for g in range(cfg.groups)]  # fmt: skip
 
@@ -185,7 +208,7 @@ def run_path(cfg: GoodputConfig, hosts: Hosts, path: str, fault: str | None, int
     what is left; what happened."""
     run_dir.mkdir(parents=True)
     run, launches = Run(path, interval_s, fault), Launches(hosts, run_dir, port, cfg.join_timeout_s)
-    rendezvous = launches.start_lighthouse() if path == "torchft" else f"{hosts.address(0)}:{port}"
+    rendezvous = launches.start_lighthouse() if elastic(path) else f"{hosts.address(0)}:{port}"
     launches.commands = launch_commands(cfg, path, data, run_dir, rendezvous)
     launched = time.time()
     for group in range(cfg.groups):
@@ -261,7 +284,7 @@ def inject(run: Run, fault: Fault, launches: Launches, cfg: GoodputConfig) -> No
         group = -1
         launches.kill_all()
         time.sleep(max(0.0, run.t0 + fault.restart_s - time.time()))
-        if run.path == "torchft":
+        if elastic(run.path):
             launches.start_lighthouse()
         for g in range(cfg.groups):
             time.sleep(max(0.0, run.t0 + fault.restart_s + g * cfg.stagger_s - time.time()))
@@ -310,7 +333,7 @@ def committed_mesh(events: list[dict], kills: list[float], end: float, groups: i
 
 def committed(run: Run, cfg: GoodputConfig) -> int:
     end = run.t0 + cfg.run_s
-    if run.path == "torchft":
+    if elastic(run.path):
         return committed_torchft(run.events, end)
     kills = [run.t0 + f["kill_s"] for f in run.faults]
     return committed_mesh(run.events.get("job", []), kills, end, cfg.groups)
@@ -405,6 +428,7 @@ def summarize_repetition(runs: list[Run], cfg: GoodputConfig) -> dict:
         done = committed(run, cfg)
         models = ended_models(run, cfg.ranks_per_group)
         out.append({"path": run.path, "fault": run.fault, "interval_s": run.interval_s, "group_steps": done,
+                    "tokens_per_s": done * cfg.ranks_per_group * cfg.batch_size * BLOCK_SIZE / cfg.run_s,
                     "groups_ended": sorted(models), "models_at_end": len(set(models.values())),
                     "goodput": done / baseline[run.path] if baseline.get(run.path) else None, "faults": figures,
                     "averaging_interval_s": averaging_interval_s(run), "startup_s": run.startup_s,
@@ -418,15 +442,15 @@ def combine(reps: list[dict], cfg: GoodputConfig) -> list[dict]:
     """Per path, fault kind and interval: median (min–max) over repetitions of each figure."""
     rows = []
     for fault, interval in [(None, None), *itertools.product(cfg.faults, cfg.intervals_s)]:
-        for path in PATHS:
+        for path in cfg.paths:
             runs = [r for rep in reps for r in rep["runs"] if (r["path"], r["fault"], r["interval_s"]) ==
                     (path, fault, interval)]  # fmt: skip
             row = {"path": path, "fault": fault, "interval_s": interval,
                    "faults_per_run": report.spread([len(r["faults"]) for r in runs]),
                    "ended": [len(r["groups_ended"]) for r in runs],
                    "models": [r["models_at_end"] for r in runs]}  # fmt: skip
-            for key in ("goodput", "group_steps", "max_stall_s", "averaging_interval_s", "survivors_interval_s",
-                        "startup_s"):  # fmt: skip
+            for key in ("goodput", "group_steps", "tokens_per_s", "max_stall_s", "averaging_interval_s",
+                        "survivors_interval_s", "startup_s"):  # fmt: skip
                 values = [r[key] for r in runs if r[key] is not None]
                 row[key] = report.spread(values) if values else None
             backs = [b for r in runs for b in r["back_s"]]
@@ -442,32 +466,48 @@ def ended_identical(row: dict, groups: int) -> bool:
 
 
 def targets(rows: list[dict], cfg: GoodputConfig) -> list[dict]:
-    """The targets for torchft, each on the medians: goodput ≥ 90% at a fault every 120 s, every run ending with its
-    groups on one model; a survivor's stall ≤ fed_timeout_s + one averaging interval, and a restarted group back
-    within its start-up + one averaging interval (both from the run without failures; a full restart's last group
-    starts (G - 1) × the stagger later)."""
-    base = next(r for r in rows if r["path"] == "torchft" and r["interval_s"] is None)
+    """The targets for each torchft path, each on the medians: goodput ≥ 90% at a fault every 120 s, every run ending
+    with its groups on one model; a survivor's stall ≤ fed_timeout_s + one averaging interval, and a restarted group
+    back within its start-up + one averaging interval (both from the path's run without failures; a full restart's
+    last group starts (G - 1) × the stagger later); without failures, tokens/s at least the blocking torchft path's."""
+    out = []
+    for path in filter(elastic, cfg.paths):
+        out += path_targets(
+            [r for r in rows if r["path"] == path],
+            next(r for r in rows if r["path"] == "torchft" and r["interval_s"] is None),
+            cfg,
+        )
+    return out
+
+
+def path_targets(rows: list[dict], blocking: dict, cfg: GoodputConfig) -> list[dict]:
+    """`targets` for the rows of one torchft path; ``blocking``: the torchft path's row without failures."""
+    base = next(r for r in rows if r["interval_s"] is None)
     interval = base["averaging_interval_s"]["median"] if base["averaging_interval_s"] else 0.0
     startup = base["startup_s"]["median"] if base["startup_s"] else 0.0
     out = []
     for row in rows:
-        if row["path"] != "torchft":
-            continue
         what = "no faults" if row["fault"] is None else f"{row['fault']} faults every {row['interval_s']:g} s"
+        what = f"{row['path']}, {what}"
         out.append({"target": f"{what}: every group ended on one model", "measured": None,
                     "met": ended_identical(row, cfg.groups)})  # fmt: skip
         if row["fault"] is None:
-            continue
-        checks = [(f"{what}: goodput ≥ 90%", row["goodput"], 0.9, 100.0, "%")] if row["interval_s"] >= 120 else []
-        stagger = (cfg.groups - 1) * cfg.stagger_s if row["fault"] == "full" else 0.0  # the last group's delay
-        late = (" + the stagger", f" + {stagger:g}") if stagger else ("", "")
-        checks.append((f"{what}: restarted group back ≤ start-up + one averaging{late[0]} ({startup:.1f} + "
-                       f"{interval:.1f}{late[1]} s)", row["back_s"], -(startup + interval + stagger), 1.0,
-                       " s"))  # fmt: skip
-        if row["fault"] != "full":
-            checks.append((f"{what}: survivors' longest stall ≤ fed_timeout_s + one averaging "
-                           f"({cfg.fed_timeout_s:g} + {interval:.1f} s)", row["max_stall_s"],
-                           -(cfg.fed_timeout_s + interval), 1.0, " s"))  # fmt: skip
+            checks = []
+            if row is not blocking and blocking["tokens_per_s"]:
+                floor = blocking["tokens_per_s"]["median"]
+                checks.append((f"{what}: tokens/s ≥ blocking torchft's ({floor:.0f})", row["tokens_per_s"], floor,
+                               1.0, ""))  # fmt: skip
+        else:
+            checks = [(f"{what}: goodput ≥ 90%", row["goodput"], 0.9, 100.0, "%")] if row["interval_s"] >= 120 else []
+            stagger = (cfg.groups - 1) * cfg.stagger_s if row["fault"] == "full" else 0.0  # the last group's delay
+            late = (" + the stagger", f" + {stagger:g}") if stagger else ("", "")
+            checks.append((f"{what}: restarted group back ≤ start-up + one averaging{late[0]} ({startup:.1f} + "
+                           f"{interval:.1f}{late[1]} s)", row["back_s"], -(startup + interval + stagger), 1.0,
+                           " s"))  # fmt: skip
+            if row["fault"] != "full":
+                checks.append((f"{what}: survivors' longest stall ≤ fed_timeout_s + one averaging "
+                               f"({cfg.fed_timeout_s:g} + {interval:.1f} s)", row["max_stall_s"],
+                               -(cfg.fed_timeout_s + interval), 1.0, " s"))  # fmt: skip
         for name, value, bound, scale, unit in checks:  # a negative bound is an upper one
             measured = value["median"] if value else None
             met = measured is not None and (measured >= bound if bound > 0 else measured <= -bound)
@@ -511,10 +551,10 @@ def markdown(results: dict) -> str:
         "averaging step, and the SHA-256 of every rank's shards is compared with the same rank's of the other groups. "
         f"Median (min–max) over {results['repeats']} repetition(s).",
         "",
-        "| path | fault | every | faults per run | group-steps | goodput | groups ended identical | survivors' longest "
-        "stall (s) | restarted group back after (s) | averaging interval (s) | survivors' averaging interval, a group "
-        "down (s) | start-up (s) |",
-        "|---|---|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|",
+        "| path | fault | every | faults per run | group-steps | committed tokens/s | goodput | groups ended identical "
+        "| survivors' longest stall (s) | restarted group back after (s) | averaging interval (s) "
+        "| survivors' averaging interval, a group down (s) | start-up (s) |",
+        "|---|---|---:|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|",
     ]
     for row in results["rows"]:
         never = f" ({row['never_back']} never back)" if row["never_back"] else ""
@@ -522,6 +562,7 @@ def markdown(results: dict) -> str:
             row["path"], fault_label(row["fault"], cfg),
             "—" if row["interval_s"] is None else f"{row['interval_s']:g} s",
             report.median_range(row["faults_per_run"], ".0f"), report.median_range(row["group_steps"], ".0f"),
+            report.median_range(row["tokens_per_s"], ".0f"),
             report.median_range(row["goodput"], ".0f", 100) + "%" if row["goodput"] else "—",
             identical_cell(row, cfg["groups"]), report.median_range(row["max_stall_s"], ".1f"),
             report.median_range(row["back_s"], ".1f") + never, report.median_range(row["averaging_interval_s"], ".2f"),
@@ -543,12 +584,13 @@ def markdown(results: dict) -> str:
 def plot(results: dict, out: Path) -> Path:
     """Goodput per fault kind and interval, the two paths side by side, min–max as error bars."""
     fig, ax = report.new_axes()
-    cases = [(r["fault"], r["interval_s"]) for r in results["rows"] if r["path"] == PATHS[0] and r["fault"]]
-    width = 0.8 / len(PATHS)
-    for offset, path in enumerate(PATHS):
+    paths = results["config"]["paths"]
+    cases = [(r["fault"], r["interval_s"]) for r in results["rows"] if r["path"] == paths[0] and r["fault"]]
+    width = 0.8 / len(paths)
+    for offset, path in enumerate(paths):
         rows = {(r["fault"], r["interval_s"]): r for r in results["rows"] if r["path"] == path and r["fault"]}
         goodput = [rows[c]["goodput"] or {"median": 0.0, "min": 0.0, "max": 0.0} for c in cases]
-        xs = [i + (offset - (len(PATHS) - 1) / 2) * width for i in range(len(cases))]
+        xs = [i + (offset - (len(paths) - 1) / 2) * width for i in range(len(cases))]
         mid = [100 * g["median"] for g in goodput]
         err = [[100 * (g["median"] - g["min"]) for g in goodput], [100 * (g["max"] - g["median"]) for g in goodput]]
         ax.bar(xs, mid, width, yerr=err, capsize=3, label=path)
@@ -575,6 +617,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="4 groups × 1 rank, T = 30 s, 60 s runs, R = 5 s, once.")
     p.add_argument("--intervals-s", type=float, nargs="+", help="Failure intervals T (default 120; quick 30).")
     p.add_argument("--faults", nargs="+", choices=FAULTS, help="Fault kinds (default: all three).")
+    p.add_argument("--paths", nargs="+", choices=list(PATHS), help="Paths, torchft first (default: torchft mesh).")
     p.add_argument("--run-s", type=float, help="Training seconds per run (default 240; quick 60).")
     p.add_argument("--restart-s", type=float, help="Seconds a killed launch stays down (default 10; quick 5).")
     p.add_argument("--stagger-s", type=float, help="A full restart's groups start this far apart (default 5).")
@@ -590,7 +633,8 @@ def config_from_args(args: argparse.Namespace) -> GoodputConfig:
     quick = {"intervals_s": (30.0,), "run_s": 60.0, "restart_s": 5.0, "repeats": 1, "ranks_per_group": 1}
     cfg = GoodputConfig(**(quick if args.quick else {}))
     given = {"intervals_s": tuple(args.intervals_s) if args.intervals_s else None, "run_s": args.run_s,
-             "faults": tuple(args.faults) if args.faults else None, "stagger_s": args.stagger_s,
+             "faults": tuple(args.faults) if args.faults else None,
+             "paths": tuple(args.paths) if args.paths else None, "stagger_s": args.stagger_s,
              "restart_s": args.restart_s, "repeats": args.repeats, "ranks_per_group": args.ranks_per_group,
              "groups": args.groups, "victims": tuple(range(1, args.groups)) if args.groups else None}  # fmt: skip
     cfg = GoodputConfig(**{**asdict(cfg), **{k: v for k, v in given.items() if v is not None}})
@@ -603,7 +647,7 @@ def repetition(cfg: GoodputConfig, hosts: Hosts, data: Path, work: Path, loads: 
     alike)."""
     runs = []
     for fault, interval in [(None, None), *itertools.product(cfg.faults, cfg.intervals_s)]:
-        for path in PATHS:
+        for path in cfg.paths:
             loads.append(os.getloadavg()[0])
             label = "no failures" if fault is None else f"a {fault} fault every {interval:g} s"
             print(f"  {path}, {label}", flush=True)
