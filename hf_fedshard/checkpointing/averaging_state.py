@@ -1,7 +1,9 @@
 """The averager's state in a checkpoint: counters and exchange in flight per rank, the outer state by parameter.
 
-`FederatedAverager.state_dict` holds three parts. The counters (JSON) and the exchange in flight (its snapshot and
-mean Δ, group-specific) are written by every rank into its group's folder. The anchor and the outer momentum, equal
+`FederatedAverager.state_dict` holds four parts. The counters (JSON) and the exchange in flight (its snapshot and
+mean Δ, group-specific) are written by every rank into its group's folder; the sparse payload's error feedback (each
+group's own residual) by every group's ranks with DCP into ``fed_group{g}/feedback/``, by parameter name, like the
+outer state below. The anchor and the outer momentum, equal
 in every group, are written once, by group 0's ranks, with DCP into ``fed_outer/``: each is wrapped as a DTensor
 with its parameter's mesh and placements, so a run on another number or size of groups reads them back with its own
 shards, DCP cutting from the saved chunks what each rank needs (`hf_fedshard.checkpointing.reshard`).
@@ -23,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from hf_fedshard.checkpointing.checkpoint import OUTER_DIR, group_dir, reading
 from hf_fedshard.topology import FederationLayout
 
-ANCHOR, MOMENTUM = "anchor", "momentum"
+ANCHOR, MOMENTUM, FEEDBACK = "anchor", "momentum", "feedback"
 
 
 def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -89,6 +91,30 @@ def load_outer_state(checkpoint: str, model: nn.Module, group: ProcessGroup) -> 
     }
 
 
+def feedback_dir(checkpoint: str, group_index: int) -> str:
+    return os.path.join(group_dir(checkpoint, group_index), FEEDBACK)
+
+
+def save_feedback(directory: str, model: nn.Module, residual: list[torch.Tensor], group: ProcessGroup) -> None:
+    """Write this group's error-feedback residual (a tensor per trainable parameter) with DCP; every rank of
+    ``group`` (the group's) must call it."""
+    named = named_trainable(model)
+    state = {FEEDBACK: {name: _wrap(e, p) for (name, p), e in zip(named, residual, strict=True)}}
+    dcp.save(state, checkpoint_id=directory, process_group=group)
+
+
+def load_feedback(directory: str, model: nn.Module, group: ProcessGroup) -> list[torch.Tensor] | None:
+    """`save_feedback`'s residual on this rank's shards (resharded by DCP where the layout changed), or ``None``
+    where the checkpoint has none (another payload); every rank of ``group`` must call it."""
+    if not os.path.isdir(directory):
+        return None
+    named = named_trainable(model)
+    state = {FEEDBACK: {name: _wrap(local_copy(p), p) for name, p in named}}
+    with reading(directory):
+        dcp.load(state, checkpoint_id=directory, process_group=group)
+    return [_local(state[FEEDBACK][name]) for name, _ in named]
+
+
 def local_copy(param: nn.Parameter) -> torch.Tensor:
     """An fp32 buffer shaped like ``param``'s local shard, for DCP to load into."""
     local = param.to_local() if isinstance(param, DTensor) else param
@@ -140,6 +166,8 @@ def save_averaging_state(
     os.makedirs(group_dir(checkpoint, index), exist_ok=True)
     write_counters(checkpoint, index, rank, state["counters"])
     save_in_flight_state(checkpoint, index, rank, state["in_flight"])
+    if state.get("feedback") is not None:
+        save_feedback(feedback_dir(checkpoint, index), model, state["feedback"], group)
     if index == 0:
         save_outer_state(checkpoint, model, state["outer"], group)
 
@@ -150,9 +178,11 @@ def load_averaging_state(
     """`save_averaging_state`'s files as rank ``rank``'s `FederatedAverager.state_dict` (without ``step``, which
     the Trainer's state holds); every rank of ``group`` (its group) must call it."""
     index = layout.group_index(rank)
-    outer = load_outer_state(checkpoint, model, group)  # the group's collective comes first
+    outer = load_outer_state(checkpoint, model, group)  # the group's collectives come first
+    feedback = load_feedback(feedback_dir(checkpoint, index), model, group)
     return {
         "counters": read_counters(checkpoint, index, rank),
         "in_flight": load_in_flight_state(checkpoint, index, rank, local_device(next(model.parameters()))),
         "outer": outer,
+        "feedback": feedback,
     }

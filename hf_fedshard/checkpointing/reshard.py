@@ -8,6 +8,9 @@ rules docs/fault_tolerance.md states, "Resuming on another layout"):
   that step). DCP reads each group's shards onto the new groups' own.
 - **Anchor and outer momentum**: the checkpoint's, resharded (`hf_fedshard.checkpointing.averaging_state`).
 - **Inner optimizer**: the plain mean of the groups' moments, resharded; its step count is kept.
+- **Error feedback** (``fed_sync_dtype topk``): every new group starts from the mean of the old groups' residuals,
+  resharded (weighted by their ranks where they were of unequal size): what the groups had not sent yet enters the
+  global model's next averagings as it would have, in the mean.
 - **An exchange in flight** is dropped: the plain mean of the models holds the progress it carried, and the anchor
   is still the one before it, so the next averaging's Δ covers both windows.
 - **Counters**: group 0's first rank's (schedule position, counts); the last averaging's pending norms are dropped.
@@ -31,7 +34,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from transformers.trainer import TRAINER_STATE_NAME
 
-from hf_fedshard.checkpointing.averaging_state import in_flight_path, load_outer_state, read_counters
+from hf_fedshard.checkpointing.averaging_state import (
+    feedback_dir,
+    in_flight_path,
+    load_feedback,
+    load_outer_state,
+    read_counters,
+)
 from hf_fedshard.checkpointing.checkpoint import (
     group_dir,
     load_group_model,
@@ -158,7 +167,23 @@ def load_resharded_averaging_state(change: LayoutChange, model: nn.Module, group
     """The averager's state on a new layout: the first rank's counters (its pending norms dropped), nothing in
     flight, the outer state by parameter."""
     counters = {**read_counters(change.checkpoint, 0, 0), "pending_norms": None}
-    return {"counters": counters, "in_flight": None, "outer": load_outer_state(change.checkpoint, model, group)}
+    outer = load_outer_state(change.checkpoint, model, group)
+    feedback = load_mean_feedback(change, model, group)
+    return {"counters": counters, "in_flight": None, "outer": outer, "feedback": feedback}
+
+
+def load_mean_feedback(change: LayoutChange, model: nn.Module, group: ProcessGroup) -> list[torch.Tensor] | None:
+    """The mean of the old groups' error-feedback residuals on this rank's shards (``None`` where they have none)."""
+    folders = [feedback_dir(change.checkpoint, g) for g in range(change.old_groups)]
+    if not all(os.path.isdir(folder) for folder in folders):
+        return None
+    loaded: list[list[torch.Tensor]] = [[]]  # the last group's, which `_mean_of_groups` leaves the mean in
+
+    def load(folder: str) -> None:
+        loaded[0] = load_feedback(folder, model, group)
+
+    _mean_of_groups(load, lambda: loaded[0], folders, recorded_layout(change.saved).group_weights)
+    return loaded[0]
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from hf_fedshard.engine.control import Agreement, Norms, agree
 from hf_fedshard.engine.counters import Counters
 from hf_fedshard.engine.exchange import Exchange
 from hf_fedshard.engine.failures import explain_failures
+from hf_fedshard.engine.feedback import ErrorFeedback
 from hf_fedshard.engine.fragments import Fragment, fragment_ranges
 from hf_fedshard.engine.observer import AveragingObserver
 from hf_fedshard.engine.options import AveragingOptions, averaging_options
@@ -134,7 +135,8 @@ class FederatedAverager:
         device = outer_state_device(params, options.outer_state_on_device)
         lr, momentum = self.settings.outer_lr, self.settings.outer_momentum
         self.fragments = [
-            Fragment(i, a, b, OuterOptimizer(params[a:b], lr, momentum, device)) for i, (a, b) in enumerate(ranges)
+            Fragment(i, a, b, OuterOptimizer(params[a:b], lr, momentum, device), feedback=self._feedback(params[a:b]))
+            for i, (a, b) in enumerate(ranges)
         ]
         self.rounds = RoundPlan(options.sync_steps, options.min_round_steps, clock) if options.speed_aware else None
         self._describe(trainable, device)
@@ -318,6 +320,7 @@ class FederatedAverager:
         next one nothing in it changes (the anchors are the global model, the buffers are copied), so it holds
         references: a transport sends a copy."""
         state = self.state_dict()
+        state["feedback"] = None  # the source's unsent Δ is its own: the joiner starts from none (engine.feedback)
         state["counters"]["pending_norms"] = None  # sums over a quorum without the joining group: not published
         state["counters"]["round_steps_planned"] = None  # the source's plan is its speed's: the joiner trains all H
         anchors = [anchor for f in self.fragments for anchor in f.outer.anchor]
@@ -372,6 +375,7 @@ class FederatedAverager:
             "counters": counters,
             "outer": {"fragments": [f.outer.state_dict() for f in self.fragments]},
             "in_flight": in_flight,
+            "feedback": self._residuals(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -395,6 +399,7 @@ class FederatedAverager:
         if state["in_flight"] is not None:
             flight = self._flight_of(state["in_flight"])
             self.fragments[flight.begun.fragments[0]].in_flight = flight
+        self._load_residuals(state.get("feedback"))
         if self.rounds is not None:  # this round's plan; a checkpoint of fed_round_policy steps trains all H
             self.rounds.forget()
             self.rounds.steps = int(counters.get("round_steps_planned") or self.schedule.sync_steps)
@@ -412,7 +417,7 @@ class FederatedAverager:
             return InFlight.from_state_dict(state)
         snapshots = tuple(state["snapshots"])
         begun = Begun((state["fragment"],), state["start_step"], state["apply_step"], (snapshots,), (), True)
-        deltas = self._deltas(self.fragments[state["fragment"]].outer, snapshots, state["contribute"])
+        deltas = self._deltas(self.fragments[state["fragment"]], snapshots, state["contribute"])
         outcome = Outcome(state["diverged"], None, None, state["contribute"], state["contributors"], [deltas],
                           [state["means"]], [], state["sent"])  # fmt: skip
         return InFlight(begun, state["blocked_s"], outcome=outcome)
@@ -505,7 +510,7 @@ class FederatedAverager:
         scale, weighted = self._speed_weights(agreed, contributors)
         params = model_state_tensors(self.model)[: self._trainable]  # not the moments: Δ is of parameters
         deltas = [
-            self._deltas(self.fragments[i].outer, begun.sources(k, self.fragments[i].of(params)), contribute)
+            self._deltas(self.fragments[i], begun.sources(k, self.fragments[i].of(params)), contribute)
             for k, i in enumerate(begun.fragments)
         ]
         head = Outcome(agreed.diverged, agreed.published, agreed.speeds, contribute, contributors, deltas)
@@ -522,7 +527,13 @@ class FederatedAverager:
                 sent += nbytes
             plain = [t.clone() for t in begun.rest] if redo else list(begun.rest)
             sent += self._plain_mean(plain, rest_addresses, contributors, contribute, background)
-            return replace(head, means=means, plain=plain, sent=sent)
+            residuals = None
+            if self.options.sparse is not None and contribute:
+                residuals = [
+                    ErrorFeedback.left(x, exchange.sent(x, self.fragments[i].of(addresses)))
+                    for i, x in zip(begun.fragments, head.deltas, strict=True)
+                ]
+            return replace(head, means=means, plain=plain, sent=sent, residuals=residuals)
 
         return head, run
 
@@ -553,6 +564,8 @@ class FederatedAverager:
                 if self._observers:  # a speed-aware round's sent copy is made only for whoever watches
                     self._tell("exchanged", self.step_count, index, _sent(deltas, outcome, self.comm.group), mean)
                 fragment.outer.step(mean, fragment.of(params), begun.snapshots[k] if kept else None)
+                if outcome.residuals is not None:
+                    fragment.feedback.keep(outcome.residuals[k])
                 if begun.snapshots is None:  # every group now holds this fragment's global model
                     fragment.averaged_at = self.step_count
             rest = payload[self._trainable :] if begun.rest else []
@@ -647,10 +660,13 @@ class FederatedAverager:
         return self.comm.group not in diverged, sum(w for g, w in enumerate(weights) if g not in diverged)
 
     @staticmethod
-    def _deltas(outer: OuterOptimizer, tensors: list[torch.Tensor], contribute: bool) -> list[torch.Tensor]:
-        """Δ = anchor − local; zeros from a diverged group, whose Δ holds NaN (it takes the others' mean)."""
-        deltas = outer.deltas(tensors)
-        return deltas if contribute else [torch.zeros_like(d) for d in deltas]
+    def _deltas(fragment: Fragment, tensors: list[torch.Tensor], contribute: bool) -> list[torch.Tensor]:
+        """Δ = anchor − local, plus β · e with error feedback; zeros from a diverged group, whose Δ holds NaN (it
+        takes the others' mean)."""
+        deltas = fragment.outer.deltas(tensors)
+        if not contribute:
+            return [torch.zeros_like(d) for d in deltas]
+        return deltas if fragment.feedback is None else fragment.feedback.add(deltas)
 
     def _restart_diverged(self, diverged: list[int], params: list[torch.Tensor], keep: Sequence[int]) -> None:
         """Count the diverged groups; theirs took the others' average for ``keep``, every other fragment its anchor,
@@ -662,6 +678,8 @@ class FederatedAverager:
             for fragment in self.fragments:
                 if fragment.index not in keep:
                     fragment.outer.restart(fragment.of(params))
+                if fragment.feedback is not None:  # NaN/Inf, or built from a model that diverged
+                    fragment.feedback.reset()
         if mine and self.optimizer is not None and not self.options.average_optimizer_state:
             reset_optimizer_state(self.optimizer)
         if self.comm.control.rank() == 0:
@@ -673,6 +691,27 @@ class FederatedAverager:
             )  # fmt: skip
 
     # ---- Helpers ----
+
+    def _feedback(self, params: list[torch.Tensor]) -> ErrorFeedback | None:
+        """A fragment's error feedback, with the sparse payload."""
+        codec = self.options.sparse
+        return None if codec is None else ErrorFeedback(params, self.options.feedback_decay)
+
+    def _residuals(self) -> list[torch.Tensor] | None:
+        """Every fragment's residual, by trainable parameter (``None`` without error feedback)."""
+        if self.options.sparse is None:
+            return None
+        return [e for f in self.fragments for e in f.feedback.state_dict()]
+
+    def _load_residuals(self, residuals: list[torch.Tensor] | None) -> None:
+        """`_residuals`' output, or e = 0 where a state has none (a heal; a checkpoint of another payload)."""
+        for fragment in self.fragments:
+            if fragment.feedback is None:
+                continue
+            if residuals is None:
+                fragment.feedback.reset()
+            else:
+                fragment.feedback.load_state_dict(fragment.of(residuals))
 
     def _payload(self) -> list[torch.Tensor]:
         """This rank's local shards that an averaging sends: the model state, and the moments if asked."""
@@ -686,12 +725,13 @@ class FederatedAverager:
         that is not FSDP2's is refused there, before any collective."""
         comm, shapes = self.comm, self._shapes
         if shapes is None:
-            return Exchange(comm.exchange_peers, sync_dtype, comm.split), None
+            return Exchange(comm.exchange_peers, sync_dtype, comm.split, sparse=self.options.sparse), None
+
         _check_dim0_shards(self.model)
         plain = PieceExchange(comm.control, shapes, comm.group)
         for address, tensor in zip(self._addresses, model_state_tensors(self.model), strict=True):
             plain.offset(address, tensor)
-        return PieceExchange(comm.exchange_peers, shapes, comm.group, sync_dtype), plain
+        return PieceExchange(comm.exchange_peers, shapes, comm.group, sync_dtype, sparse=self.options.sparse), plain
 
     def _follow_groups(self) -> None:
         """Rebuild the exchanges where the groups of unequal size changed since they were built (a new quorum of

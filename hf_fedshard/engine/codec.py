@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-SYNC_DTYPES = ("float32", "bfloat16", "int8")
+SYNC_DTYPES = ("float32", "bfloat16", "int8", "topk")  # topk: `hf_fedshard.engine.sparse`, its own codec
 INT8_BLOCK = 256
 _INT8_MAX = 127.0
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from hf_fedshard.engine.feedback import ErrorFeedback
 from hf_fedshard.engine.outer import OuterOptimizer
 from hf_fedshard.engine.overlap import InFlight
 from hf_fedshard.errors import ConfigError
@@ -165,6 +166,7 @@ class Fragment:
     outer: OuterOptimizer
     averaged_at: int = 0
     in_flight: InFlight | None = None
+    feedback: ErrorFeedback | None = None  # the sparse payload's residual (`hf_fedshard.engine.feedback`)
 
     def of(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """This fragment's share of the trainable shards ``params``."""

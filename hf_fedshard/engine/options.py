@@ -16,6 +16,7 @@ from hf_fedshard.engine.codec import SYNC_DTYPES
 from hf_fedshard.engine.fragments import Schedule
 from hf_fedshard.engine.outer import NESTEROV_DEFAULTS, OUTER_OPTIMIZERS, outer_hyperparameters
 from hf_fedshard.engine.settings_history import AveragingSettings
+from hf_fedshard.engine.sparse import SPARSE, SparseCodec
 from hf_fedshard.engine.speed import ROUND_POLICIES
 from hf_fedshard.errors import ConfigError
 
@@ -38,9 +39,14 @@ class AveragingOptions:
             with Nesterov momentum (DiLoCo).
         outer_lr: the nesterov outer learning rate (``None``: 0.7). Not for fedavg.
         outer_momentum: the nesterov outer momentum, in [0, 1) (``None``: 0.9).
-        sync_dtype: the dtype of Δ between groups: ``"float32"``, ``"bfloat16"`` (half the bytes) or ``"int8"`` (a
-            quarter, plus one fp32 scale per 256 values); the sum is always accumulated in fp32 and every group
-            decodes the same bytes.
+        sync_dtype: the dtype of Δ between groups: ``"float32"``, ``"bfloat16"`` (half the bytes), ``"int8"`` (a
+            quarter, plus one fp32 scale per 256 values) or ``"topk"`` (sparse and low-bit, below); the sum is always
+            accumulated in fp32 and every group decodes the same bytes.
+        sync_density, sync_bits, sync_chunk: ``sync_dtype="topk"`` only (`hf_fedshard.engine.sparse`): in each chunk
+            of ``sync_chunk`` values of a rank's shard, the ``sync_density`` fraction of largest values is sent, in
+            ``sync_bits`` bits with one fp32 scale per chunk, with their indices (``None``: 0.01, 2 and 4096).
+        sync_feedback_decay: ``"topk"`` only: β, what is not sent is kept and β times it is added to the next
+            averaging's Δ (`hf_fedshard.engine.feedback`); 1 loses nothing (``None``: 1).
         split_exchange: FL+HSDP only: each of the Q replicas of a group sends 1/Q of its shard between groups and
             the group all-gathers the rest, so the slow tier carries the payload once per group instead of Q times
             (same result).
@@ -85,9 +91,20 @@ class AveragingOptions:
     )
     sync_dtype: str = _setting(
         "float32",
-        "Dtype of the pseudo-gradient between groups: float32, bfloat16 (1/2 the bytes) or int8 (about 1/4); summed "
-        "in fp32.",
+        "Dtype of the pseudo-gradient between groups: float32, bfloat16 (1/2 the bytes), int8 (about 1/4) or topk "
+        "(the largest values of each chunk, low-bit, with error feedback); summed in fp32.",
         tuple(SYNC_DTYPES),
+    )
+    sync_density: float | None = _setting(
+        None, "fed_sync_dtype topk: the fraction of each chunk's values sent, in (0, 1] (default 0.01)."
+    )
+    sync_bits: int | None = _setting(None, "fed_sync_dtype topk: bits per value sent: 2, 4 or 8 (default 2).")
+    sync_chunk: int | None = _setting(
+        None, "fed_sync_dtype topk: values per chunk; each chunk sends its largest values (default 4096)."
+    )
+    sync_feedback_decay: float | None = _setting(
+        None,
+        "fed_sync_dtype topk: β in [0, 1]; β times what was not sent is added to the next averaging (default 1).",
     )
     split_exchange: bool = _setting(
         True, "FL+HSDP: each replica sends 1/Q of the shard between groups (Q times fewer bytes)."
@@ -130,6 +147,7 @@ class AveragingOptions:
                 "above the longest expected wait of one group for the others (or leave it unset)."
             )
         self._check_outer_settings()
+        self._check_sparse_settings()
         self._check_round_policy()
 
     def _check_outer_settings(self) -> None:
@@ -155,6 +173,26 @@ class AveragingOptions:
         if not 0 <= momentum < 1:
             raise ConfigError(
                 f"fed_outer_momentum={momentum}: it must be in [0, 1). Set --fed_outer_momentum to e.g. 0.9."
+            )
+
+    def _check_sparse_settings(self) -> None:
+        given = [f"fed_{name}" for name in _SPARSE_SETTINGS if getattr(self, name) is not None]
+        if given and self.sync_dtype != SPARSE:
+            raise ConfigError(
+                f"{', '.join(given)} set the sparse payload, but fed_sync_dtype={self.sync_dtype!r}. Add "
+                f"--fed_sync_dtype {SPARSE}, or drop them."
+            )
+        if self.sparse is None:  # building the codec checks density, bits and chunk
+            return
+        if not 0 <= self.feedback_decay <= 1:
+            raise ConfigError(
+                f"fed_sync_feedback_decay={self.feedback_decay}: it must be in [0, 1]. Set --fed_sync_feedback_decay "
+                "to 1 (plain error feedback) or e.g. 0.95."
+            )
+        if self.round_policy == "speed":
+            raise ConfigError(
+                "fed_sync_dtype topk keeps each group's unsent Δ for later rounds, which fed_round_policy speed would "
+                "weight by a later round's steps: set --fed_round_policy steps, or another --fed_sync_dtype."
             )
 
     def _check_round_policy(self) -> None:
@@ -196,9 +234,29 @@ class AveragingOptions:
         return AveragingSettings(self.outer_optimizer, *self.outer, self.sync_dtype)
 
     @property
+    def sparse(self) -> SparseCodec | None:
+        """The sparse payload's codec (``sync_dtype="topk"``), defaults filled in; ``None`` for a dense payload."""
+        if self.sync_dtype != SPARSE:
+            return None
+        defaults = SparseCodec()
+        return SparseCodec(
+            defaults.density if self.sync_density is None else self.sync_density,
+            defaults.bits if self.sync_bits is None else self.sync_bits,
+            defaults.chunk if self.sync_chunk is None else self.sync_chunk,
+        )
+
+    @property
+    def feedback_decay(self) -> float:
+        """β of the sparse payload's error feedback, default filled in."""
+        return 1.0 if self.sync_feedback_decay is None else self.sync_feedback_decay
+
+    @property
     def schedule(self) -> Schedule:
         """When each fragment of the model averages (`hf_fedshard.engine.fragments`)."""
         return Schedule(self.sync_steps, self.sync_fragments, self.sync_overlap)
+
+
+_SPARSE_SETTINGS = ("sync_density", "sync_bits", "sync_chunk", "sync_feedback_decay")
 
 
 def averaging_options(settings: dict[str, Any]) -> AveragingOptions:

@@ -65,7 +65,8 @@ class Begun:
 class Outcome:
     """What one attempt's collectives returned, before anything is applied: the agreement (``diverged``, the last
     averaging's ``published`` norms, a speed-aware round's ``speeds``), this rank's Δ per fragment as taken, and once
-    exchanged the mean Δ per fragment, the rest's plain means and the bytes this rank sent."""
+    exchanged the mean Δ per fragment, the rest's plain means, the bytes this rank sent and (``topk``) what this
+    rank's error feedback keeps. With error feedback ``deltas`` are what was compressed, Δ + β · e."""
 
     diverged: list[int]
     published: tuple[float, float] | None
@@ -76,6 +77,7 @@ class Outcome:
     means: list[list[torch.Tensor]] | None = None
     plain: list[torch.Tensor] | None = None
     sent: int = 0
+    residuals: list[list[torch.Tensor]] | None = None  # the sparse payload's e' per fragment, to keep at the apply
 
     def state_dict(self) -> dict:
         speeds = None if self.speeds is None else [self.speeds.trained, self.speeds.seconds_per_step]

@@ -32,6 +32,13 @@ the owner's one encoding: groups stay bit-identical.
 The slow tier carries each piece once per group and back, as a ring all-reduce does: 2·(G−1) copies of the model
 per averaging in all, whatever the sizes.
 
+The sparse payload (``topk``, `hf_fedshard.engine.sparse`) cannot be summed by the owner and re-encoded: each
+piece is encoded on its own (its chunks start at the piece's first value), the owner gathers the G encodings and
+sends all of them, in group order, to each other group's designated holder, who hands them on; every holder
+decodes them and computes Σ_g w_g · D(E(x_g)) / W itself, in group order. The slow tier then carries (G − 1)
+encodings to the owner and G to each of the G − 1 others: (G + 1)(G − 1) per piece, against the equal groups'
+gather's G (G − 1).
+
 A heal (`PieceExchange.copy`) uses the same pieces without a mean: the source group's designated holder sends each
 piece's raw bytes to each healing group's designated holder, who hands them to its group's other holders.
 """
@@ -51,6 +58,7 @@ from hf_fedshard.engine.codec import INT8_BLOCK, Encoded, alignment, decode, enc
 from hf_fedshard.engine.communicator import Communicator
 from hf_fedshard.engine.exchange import bucket_ranges
 from hf_fedshard.engine.payload import BUCKET_BYTES, Address
+from hf_fedshard.engine.sparse import SPARSE, SparseCodec
 from hf_fedshard.errors import ConfigError
 
 SPLIT_VALUES = 65536  # a piece of at least G × this many values is cut into G parts, one per owner group
@@ -197,6 +205,7 @@ class PieceExchange:
         sync_dtype: the wire dtype (``fed_sync_dtype``).
         bucket_bytes: fp32 bytes of the whole tensors exchanged per round of all-to-alls, over the smallest shard
             size (so that no rank holds more than about this much of a round).
+        sparse: the codec of ``sync_dtype`` ``"topk"``.
     """
 
     def __init__(
@@ -206,8 +215,10 @@ class PieceExchange:
         group: int,
         sync_dtype: str = "float32",
         bucket_bytes: int = BUCKET_BYTES,
+        sparse: SparseCodec | None = None,
     ) -> None:
         self.world, self.groups, self.group, self.sync_dtype = world, tuple(groups), group, sync_dtype
+        self.sparse = sparse
         self.me = world.rank()
         self.bucket_bytes = bucket_bytes * min(g.shard_size for g in self.groups)
         self._group_of = {rank: g for g, shape in enumerate(self.groups) for rank in shape.ranks}
@@ -232,6 +243,21 @@ class PieceExchange:
         ``contributors``: the summed weight of the groups sending non-zero values.
         """
         return self._means([t.float() for t in tensors], contributors, addresses, self.sync_dtype)
+
+    @torch.no_grad()
+    def sent(self, tensors: Sequence[torch.Tensor], addresses: Sequence[Address]) -> list[torch.Tensor]:
+        """What `mean` sends of this rank's part of each tensor, as the others decode it: the sparse payload's
+        `SparseCodec.roundtrip` piece by piece (a piece's bounds are a function of its tensor's address alone)."""
+        out = []
+        for tensor, address in zip(tensors, addresses, strict=True):
+            flat = tensor.reshape(-1).float()
+            offset, sent = self.offset(address, flat), torch.zeros_like(flat)
+            for piece in plan((address,), self.groups):
+                lo = piece.start - offset
+                if lo >= 0 and piece.stop - offset <= flat.numel():  # a piece lies in one shard or none
+                    sent[lo : lo + piece.numel] = self.sparse.roundtrip(flat[lo : lo + piece.numel])
+            out.append(sent.view_as(tensor))
+        return out
 
     @torch.no_grad()
     def plain_mean(
@@ -274,6 +300,8 @@ class PieceExchange:
         self, flats: list[torch.Tensor], contributors: int, addresses: tuple[Address, ...], sync_dtype: str
     ) -> tuple[list[torch.Tensor], int]:
         """The three all-to-alls of the module docstring over one bucket of flat fp32 tensors."""
+        if self.sparse is not None and sync_dtype == SPARSE:
+            return self._sparse_mean_flat(flats, contributors, addresses)
         pieces = plan(addresses, self.groups)
         offsets = [self.offset(a, f) for a, f in zip(addresses, flats, strict=True)]
         device = flats[0].device
@@ -300,6 +328,44 @@ class PieceExchange:
             lo = piece.start - offsets[piece.tensor]
             results[piece.tensor][lo : lo + piece.numel] = _from_bytes(data, piece.numel, sync_dtype)
         return results, sum(_encoded_bytes(p.numel, sync_dtype) for p in mine)
+
+    def _sparse_mean_flat(
+        self, flats: list[torch.Tensor], contributors: int, addresses: tuple[Address, ...]
+    ) -> tuple[list[torch.Tensor], int]:
+        """`_mean_flat` for the sparse payload: the owner gathers the G encodings and hands all of them on."""
+        pieces, codec, groups = plan(addresses, self.groups), self.sparse, len(self.groups)
+        offsets = [self.offset(a, f) for a, f in zip(addresses, flats, strict=True)]
+        device = flats[0].device
+
+        def values(piece: Piece) -> torch.Tensor:
+            lo = piece.start - offsets[piece.tensor]
+            return flats[piece.tensor][lo : lo + piece.numel]
+
+        def nbytes(piece: Piece) -> int:
+            return codec.nbytes(piece.numel)
+
+        def bundle_bytes(piece: Piece) -> int:
+            return groups * codec.nbytes(piece.numel)
+
+        mine = [p for p in pieces if p.designated(self.group) == self.me]
+        encoded = {p: codec.encode(values(p)) for p in mine}
+        copies = self._route(pieces, to_owner, encoded, nbytes, device)
+        owned = [p for p in mine if p.owner == self.group]
+        bundles = {p: torch.cat([encoded[p] if g == self.group else copies[(p, g)] for g in range(groups)])
+                   for p in owned}  # fmt: skip
+        back = self._route(pieces, from_owner, bundles, bundle_bytes, device)
+        bundles.update({p: data for (p, _), data in back.items()})
+        fanned = self._route(pieces, to_replicas, bundles, bundle_bytes, device)
+        bundles.update({p: data for (p, _), data in fanned.items()})
+        results = [f.clone() for f in flats]
+        for piece, data in bundles.items():
+            total = torch.zeros(piece.numel, dtype=torch.float32, device=device)
+            for shape, part in zip(self.groups, data.split(nbytes(piece)), strict=True):  # in group order
+                total += shape.weight * codec.decode(part, piece.numel)
+            lo = piece.start - offsets[piece.tensor]
+            results[piece.tensor][lo : lo + piece.numel] = total / contributors
+        sent = sum(nbytes(p) for p in mine if p.owner != self.group)
+        return results, sent + sum((groups - 1) * bundle_bytes(p) for p in owned)
 
     def _owner_mean(
         self,

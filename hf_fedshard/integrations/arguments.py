@@ -62,7 +62,8 @@ class FedShardArgumentsMixin:
 
     Averaging, streaming, groups of different speeds (docs/overlap.md, docs/speed_aware_rounds.md):
         fed_sync_steps, fed_average_optimizer_state, fed_outer_optimizer, fed_outer_lr, fed_outer_momentum,
-        fed_sync_dtype, fed_split_exchange, fed_sync_fragments, fed_sync_overlap, fed_outer_state_on_device,
+        fed_sync_dtype, fed_sync_density, fed_sync_bits, fed_sync_chunk, fed_sync_feedback_decay,
+        fed_split_exchange, fed_sync_fragments, fed_sync_overlap, fed_outer_state_on_device,
         fed_round_policy, fed_min_round_steps, fed_timeout_s: the fields of
         `hf_fedshard.engine.options.AveragingOptions` with the ``fed_`` prefix; their type, default, help and
         meaning are declared there once (a plain loop passes the same settings to `FederatedAverager`), and
@@ -128,6 +129,10 @@ class FedShardArgumentsMixin:
     fed_outer_lr: float | None = averaging_setting("outer_lr")
     fed_outer_momentum: float | None = averaging_setting("outer_momentum")
     fed_sync_dtype: str = averaging_setting("sync_dtype")
+    fed_sync_density: float | None = averaging_setting("sync_density")
+    fed_sync_bits: int | None = averaging_setting("sync_bits")
+    fed_sync_chunk: int | None = averaging_setting("sync_chunk")
+    fed_sync_feedback_decay: float | None = averaging_setting("sync_feedback_decay")
     fed_split_exchange: bool = averaging_setting("split_exchange")
     fed_sync_fragments: int = averaging_setting("sync_fragments")
     fed_sync_overlap: int = averaging_setting("sync_overlap")

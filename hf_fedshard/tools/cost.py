@@ -13,7 +13,8 @@ Notation
     b_p      bytes per element of the parameter all-gather (FSDP2's ``param_dtype``)
     b_g      bytes per element of the gradient reduction (FSDP2's ``reduce_dtype``)
     b_s      bytes per element of an averaging's payload (``fed_sync_dtype``): 4 for float32, 2 for bfloat16,
-             1 + 4/256 for int8 (values and one fp32 scale per 256)
+             1 + 4/256 for int8 (values and one fp32 scale per 256); for topk the bytes of one chunk's codes,
+             indices and scale over the chunk's values (`topk_bytes_per_value`), gathered rather than reduced
     W, R     world size, ranks per node
     G, S     group size (``fed_group_size``), shard size (``fed_shard_size``); Q = G / S replicas, F = W / G groups
     H        optimizer steps between two averagings (``fed_sync_steps``)
@@ -38,6 +39,10 @@ Per optimizer step (no gradient accumulation), each rank takes part in three rin
                                            reduce-scatter  b_g · P
     replicate ring (Q ranks, HSDP only)    all-reduce  b_g · P / S                         (the gradient shard)
     fed ring (F ranks, one per group)      all-reduce  b_s · P / S, once every H steps      (FedAvg of the shard)
+
+The sparse payload (``topk``) is all-gathered over the fed ring, each rank's b_s · P / S to every other group:
+(F-1) · b_s · P / S per hop, where an all-reduce sends 2 (F-1)/F · b_s · P / S: it pays off while
+b_s_topk · F / 2 < b_s of the dense payload.
 
 With the FL+HSDP split exchange (``fed_split_exchange``) each replica sends 1/Q of the shard on the fed ring,
 b_s · P / (S Q), and the replicate ring all-gathers the fp32 mean, 4 · P / S, once every H steps. The averaging's
@@ -81,8 +86,10 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from hf_fedshard.engine.codec import INT8_BLOCK
 from hf_fedshard.engine.payload import BUCKET_BYTES, Address
 from hf_fedshard.engine.pieces import from_owner, plan, to_owner, to_replicas
+from hf_fedshard.engine.sparse import SparseCodec
 from hf_fedshard.topology import FederationLayout
 
 RING = 1.0  # reduce-scatter bytes as a fraction of an all-reduce's (NCCL ring)
@@ -102,6 +109,7 @@ class ModelCost:
         sync_bytes: b_s, bytes per element of an averaging's payload (`sync_bytes_per_value`).
         reduce_scatter: RING or GLOO (reduce-scatter as an all-reduce).
         split_exchange: FL+HSDP's replicas each send 1/Q of the shard between groups, then all-gather.
+        gathered_sync: the payload is all-gathered (``topk``), not all-reduced.
     """
 
     params: int
@@ -112,6 +120,7 @@ class ModelCost:
     sync_bytes: float = FEDAVG_BYTES
     reduce_scatter: float = RING
     split_exchange: bool = False
+    gathered_sync: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.once_params <= self.params:
@@ -236,7 +245,11 @@ def step_collectives(model: ModelCost, layout: FederationLayout, sync_steps: int
         split = layout.replicas if model.split_exchange else 1
         sync = model.sync_bytes * shard_bytes / split
         buckets = max(1, math.ceil(FEDAVG_BYTES * shard_bytes / BUCKET_BYTES))
-        collectives.append(Collective("all_reduce", sync, rings["fed"], 1 / sync_steps, buckets, averaging=True))
+        if model.gathered_sync:  # every group's payload to every rank: N = F payloads
+            fed = Collective("all_gather", layout.num_groups * sync, rings["fed"], 1 / sync_steps, buckets, True)
+        else:
+            fed = Collective("all_reduce", sync, rings["fed"], 1 / sync_steps, buckets, averaging=True)
+        collectives.append(fed)
         if split > 1:  # the replicas' fp32 means, all-gathered inside the group
             collectives.append(
                 Collective("all_gather", FEDAVG_BYTES * shard_bytes, rings["replicate"], 1 / sync_steps, buckets, True)
@@ -557,6 +570,38 @@ def _reach(setting: Setting, method: str, limit: float, tier: str, link: str, no
     )
 
 
+def topk_bytes_per_value(codec: SparseCodec) -> float:
+    """b_s of the sparse payload: a whole chunk's bytes (codes, indices, scale) over its values."""
+    return codec.nbytes(codec.chunk) / codec.chunk
+
+
+def payload_report(setting: Setting) -> list[str]:
+    """Each ``fed_sync_dtype`` on ``setting``: b_s, the inter-node bytes a node sends per averaging under FL+FSDP,
+    and FL+FSDP's and FL+HSDP's speedups over FSDP (serial model)."""
+    payloads = [("float32", 4.0, False), ("bfloat16", 2.0, False), ("int8", 1 + 4 / INT8_BLOCK, False)]
+    payloads += [(f"topk {d:g}, {b} bits, chunk 4096", topk_bytes_per_value(SparseCodec(d, b, 4096)), True)
+                 for d, b in ((0.01, 2), (0.03, 2), (0.01, 8))]  # fmt: skip
+    groups = setting.world_size // setting.fl_fsdp_group
+    lines = [
+        "Payloads (fed_sync_dtype): bytes a rank sends per value of its shard and averaging with G groups (ring "
+        "all-reduce 2 (G-1)/G b_s; topk's gather (G-1) b_s), then on this setting (FL+FSDP: "
+        f"{groups} groups):",
+        f"payload                        b_s      G=2     G=4     G={groups:<4} inter GB/node per averaging  FL+FSDP  "
+        "FL+HSDP",
+    ]
+    for name, per_value, gathered in payloads:
+        sent = [(g - 1) * per_value if gathered else 2 * (g - 1) / g * per_value for g in (2, 4, groups)]
+        model = replace(setting.model, sync_bytes=per_value, gathered_sync=gathered)
+        costs = replace(setting, model=model).costs()
+        ideal = replace(setting, model=model, sync_steps=10**9).costs()["FL+FSDP"].inter_bytes_per_node  # no averaging
+        averaging = (costs["FL+FSDP"].inter_bytes_per_node - ideal) * setting.sync_steps
+        speedup = speedups(costs)
+        per_group = "".join(f"{x:7.3f} " for x in sent)
+        lines.append(f"{name:<30} {per_value:7.4f} {per_group}  {_gb(averaging)}                   "
+                     f"{speedup['FL+FSDP']:6.2f}× {speedup['FL+HSDP']:6.2f}×")  # fmt: skip
+    return lines
+
+
 def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:8.2f}"
 
@@ -595,7 +640,7 @@ def report(setting: Setting) -> str:
     ]
     for name in ("HSDP", "FL+FSDP", "FL+HSDP"):
         lines.append(f"{name:<10}" + "".join(f"{speedup[name]:7.2f}×" for speedup in at_bandwidth))
-    lines += ["", *headline(setting, costs)]
+    lines += ["", *payload_report(setting), "", *headline(setting, costs)]
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from hf_fedshard import FederatedAverager
 from hf_fedshard.engine import FederationCommunicator
 from hf_fedshard.engine.codec import alignment, decode, encode
 from hf_fedshard.engine.pieces import GroupShape
+from hf_fedshard.engine.sparse import SparseCodec
 from hf_fedshard.errors import ConfigError
 
 from ..asserts import labelled
@@ -39,13 +40,16 @@ FACTORS = {
     "sync_steps": [4, 8],
     "sync_fragments": [1, 2, 4],
     "sync_overlap": [0, 1],
-    "sync_dtype": ["float32", "bfloat16", "int8"],
+    "sync_dtype": ["float32", "bfloat16", "int8", "topk"],
     "outer_optimizer": ["fedavg", "nesterov"],
     "round_policy": ["steps", "speed"],
     "replicas": [1, 2],
     "groups": ["equal", "unequal"],
     "average_optimizer_state": [False, True],
 }
+TOPK = {"sync_density": 0.4, "sync_bits": 2, "sync_chunk": 5}  # k = 2 of each chunk; the tensors' 12, 4, 8, 2 values
+# end in chunks of 2, 4, 3 and 2 (k = 1, 2, 2, 1)
+CODEC = SparseCodec(TOPK["sync_density"], TOPK["sync_bits"], TOPK["sync_chunk"])
 COST = (1.0, 2.0, 4.0)  # fake seconds per trained step of each group (speed-aware rounds)
 FAILED_COMMIT = 3  # the elastic cells' fault: the second averaging after step 0's
 HEALING = 2  # the group that loses it in elastic-heal (it heals from group 0's committed state)
@@ -54,6 +58,8 @@ REFUSALS = {  # why a combination cannot run: each a property of the mathematics
     "fed_sync_overlap=1 must be in": "τ ≥ H/F: one exchange is applied before the next fragment's begins",
     "fed_round_policy speed plans whole rounds": "speed with F > 1: each fragment's Δ spans its own window of H "
     "steps, offset from the round the speeds were measured over",
+    "fed_sync_dtype topk keeps each group's unsent Δ": "topk with speed: error feedback carries a group's unsent Δ "
+    "into later rounds, where it would be weighted by their steps, not by the round's it was trained in",
 }
 
 
@@ -63,6 +69,8 @@ def refusal(cell: dict) -> str | None:
         return "fed_sync_overlap=1 must be in"
     if cell["round_policy"] == "speed" and cell["sync_fragments"] > 1:
         return "fed_round_policy speed plans whole rounds"
+    if cell["sync_dtype"] == "topk" and cell["round_policy"] == "speed":
+        return "fed_sync_dtype topk keeps each group's unsent Δ"
     return None
 
 
@@ -99,7 +107,7 @@ def cell_id(cell: dict) -> str:
 def settings_of(cell: dict) -> dict:
     keys = ("sync_steps", "sync_fragments", "sync_overlap", "sync_dtype", "outer_optimizer", "round_policy",
             "average_optimizer_state")  # fmt: skip
-    return {k: cell[k] for k in keys}
+    return {k: cell[k] for k in keys} | (TOPK if cell["sync_dtype"] == "topk" else {})
 
 
 def steps_of(cell: dict) -> int:
@@ -176,13 +184,17 @@ class Begun:
     means: dict[int, list[torch.Tensor]]
     rest: list[torch.Tensor] | None
     snapshots: list[list[torch.Tensor]] | None
+    residuals: dict[int, list[torch.Tensor]]  # topk: per tensor index, each group's x − D(E(x)), kept at the apply
 
 
 class PlainRule:
     """The averaging of three groups by the docs: Δ_g = anchor − local_g per fragment; mean Δ = D(E(Σ_g D(E(s_g Δ_g))
     / Σ_g s_g)) (fp32: the plain sum; s_g the steps group g trained in a speed-aware round, else 1); anchor ← outer
     SGD(anchor, mean Δ); local ← anchor (+ the progress since the begin where the apply comes τ steps later); the
-    buffer (and the momentum buffers if asked) ← the plain mean of their values at the begin, at the apply."""
+    buffer (and the momentum buffers if asked) ← the plain mean of their values at the begin, at the apply.
+
+    topk: x_g = Δ_g + e_g per tensor, mean Δ = Σ_g w_g D(E(x_g)) / Σ_g w_g (summed in group order, not re-encoded),
+    e_g ← x_g − D(E(x_g)) at the apply; a group that heals starts again from e = 0."""
 
     def __init__(self, cell: dict) -> None:
         self.cell, self.h = cell, cell["sync_steps"]
@@ -200,6 +212,7 @@ class PlainRule:
         self.anchor = [p.detach().float().clone() for p in self.params(0)]
         self.buffers: list[torch.Tensor | None] = [None] * 4
         self.plan = [self.h] * GROUPS
+        self.residual = [[torch.zeros_like(a) for a in self.anchor] for _ in range(GROUPS)]
         self.averagings = 1  # commits so far: step 0's
         self.flight: Begun | None = None
 
@@ -241,13 +254,24 @@ class PlainRule:
     def begin(self, fragments: list[int], step: int, later: int, trained: list[int]) -> Begun:
         speed = self.cell["round_policy"] == "speed"
         weight = float(sum(w * s for w, s in zip(self.weights, trained, strict=True))) if speed else sum(self.weights)
-        means = {}
+        means, residuals = {}, {}
         for f in fragments:
             a, b = self.ranges[f]
             sent = [[(self.anchor[i] - self.params(g)[i].float()).reshape(-1) for i in range(a, b)]
                     for g in range(GROUPS)]  # fmt: skip
             if speed:
                 sent = [[d * float(trained[g]) for d in deltas] for g, deltas in enumerate(sent)]
+            if self.cell["sync_dtype"] == "topk":
+                x = [[d + self.residual[g][i].reshape(-1) for d, i in zip(deltas, range(a, b), strict=True)]
+                     for g, deltas in enumerate(sent)]  # fmt: skip
+                decoded = [[CODEC.decode(CODEC.encode(t), t.numel()) for t in xs] for xs in x]
+                for k, i in enumerate(range(a, b)):
+                    residuals[i] = [(x[g][k] - decoded[g][k]).view_as(self.anchor[i]) for g in range(GROUPS)]
+                    total = torch.zeros(self.anchor[i].numel())
+                    for w, d in zip(self.weights, decoded, strict=True):
+                        total += w * d[k]
+                    means.setdefault(f, []).append((total / weight).view_as(self.anchor[i]))
+                continue
             if self.unequal:  # piece by piece: here each tensor is one piece, encoded on its own
                 flats = [self.weighted_mean([deltas[k] for deltas in sent], weight) for k in range(b - a)]
             else:  # the fragment's tensors in one flat payload
@@ -258,7 +282,7 @@ class PlainRule:
         if self.f - 1 in fragments:
             rest = [self.plain(list(tensors)) for tensors in zip(*(self.rest(g) for g in range(GROUPS)), strict=True)]
         snapshots = [[p.float().clone() for p in self.params(g)] for g in range(GROUPS)] if later else None
-        return Begun(fragments, step + later, means, rest, snapshots)
+        return Begun(fragments, step + later, means, rest, snapshots, residuals)
 
     def plain(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """A plain mean in fp32: equal groups sum in group order; groups of unequal size weigh each by its ranks."""
@@ -294,6 +318,9 @@ class PlainRule:
         self.flight = None
         self.averagings += 1
         healing = HEALING if self.cell["transport"] == "elastic-heal" and self.averagings == FAILED_COMMIT else None
+        for i, kept in begun.residuals.items():
+            for g in range(GROUPS):
+                self.residual[g][i] = kept[g]
         for f in begun.fragments:
             for k, i in enumerate(range(*self.ranges[f])):
                 self.outer_step(i, begun.means[f][k])
@@ -311,6 +338,7 @@ class PlainRule:
             for param, anchor in zip(self.params(healing), self.anchor, strict=True):
                 param.copy_(anchor)
             self.models[healing].stat.copy_(self.models[0].stat)
+            self.residual[healing] = [torch.zeros_like(a) for a in self.anchor]
             self.plan[healing] = self.h  # its speed is not measured yet: all H
 
     @torch.no_grad()

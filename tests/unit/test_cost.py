@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks.harness.cost_model import GLOO, sync_bytes_per_value
+from hf_fedshard.engine.sparse import SparseCodec
 from hf_fedshard.tools.cost import (
     PAPER_HEADLINE_SPEEDUP,
     RING,
@@ -18,11 +19,13 @@ from hf_fedshard.tools.cost import (
     main,
     make_parser,
     paper_setting,
+    payload_report,
     peak_speedup,
     ring_hop_bytes,
     ring_hops,
     speedups,
     step_cost,
+    topk_bytes_per_value,
 )
 from hf_fedshard.tools.models import PRESETS, llama_config
 from hf_fedshard.topology import FederationLayout
@@ -172,6 +175,19 @@ def test_payload_dtype_scales_the_averaging_bytes():
     bf16 = ModelCost(params=1000, once_params=0, units=1, sync_bytes=2)
     costs = [step_cost(m, FederationLayout(4, 2), 2, sync_steps=1).inter_bytes_per_node for m in (fp32, bf16)]
     assert costs[1] * 2 == costs[0] == 4000
+
+
+def test_the_sparse_payload_is_gathered_so_its_bytes_grow_with_the_groups():
+    """topk at 1%, 2 bits, chunks of 4096: 41 values a chunk, 11 bytes of codes, 82 of uint16 indices, 4 of scale.
+    FL+FSDP of 1000 parameters, one rank per node, H = 1: a gather of G groups sends (G - 1) · b_s · P per rank."""
+    b_s = topk_bytes_per_value(SparseCodec(0.01, 2, 4096))
+    assert b_s == (11 + 82 + 4) / 4096
+    model = ModelCost(params=1000, once_params=0, units=1, sync_bytes=b_s, gathered_sync=True)
+    for groups in (2, 4):
+        cost = step_cost(model, FederationLayout(groups, 1), 1, sync_steps=1)
+        assert cost.inter_bytes_per_node == pytest.approx((groups - 1) * b_s * 1000, rel=1e-12)
+    lines = payload_report(paper_setting())
+    assert any(line.startswith("topk 0.01, 2 bits, chunk 4096   0.0237   0.024   0.071") for line in lines), lines
 
 
 def test_split_exchange_divides_the_inter_group_bytes_by_the_replicas():

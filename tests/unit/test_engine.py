@@ -115,11 +115,14 @@ def test_global_model_lends_the_plain_mean_and_gives_each_group_its_own_back():
             torch.testing.assert_close(after[i], own[i], rtol=0, atol=0, msg=labelled(f"given back {g},{i}"))
 
 
+TOPK = {"sync_dtype": "topk", "sync_density": 0.4, "sync_chunk": 5}  # error feedback left over at every averaging
 RESUME_CASES = [
     pytest.param({}, 6, id="blocking-between-averagings"),
     pytest.param({}, 8, id="blocking-on-an-averaging"),
     pytest.param({"outer_optimizer": "nesterov", "sync_fragments": 2, "sync_overlap": 1}, 6, id="in-flight"),
     pytest.param({"outer_optimizer": "nesterov", "sync_fragments": 2, "sync_overlap": 1}, 7, id="after-apply"),
+    pytest.param({**TOPK, "sync_feedback_decay": 0.9}, 6, id="topk-residual"),
+    pytest.param({**TOPK, "sync_fragments": 2, "sync_overlap": 1}, 6, id="topk-in-flight"),
 ]
 
 

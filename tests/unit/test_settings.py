@@ -14,6 +14,7 @@ from hf_fedshard import FederatedAverager, FedShardTrainingArguments
 from hf_fedshard.engine import AveragingOptions
 from hf_fedshard.engine.options import averaging_options
 from hf_fedshard.engine.outer import NESTEROV_DEFAULTS
+from hf_fedshard.engine.sparse import SparseCodec
 from hf_fedshard.errors import ConfigError
 
 from ..launch import REPO
@@ -21,7 +22,9 @@ from ..launch import REPO
 SETTINGS = {f.name: f for f in fields(AveragingOptions)}
 # The README gives the value a default of None stands for.
 README_NONE = {"outer_lr": str(NESTEROV_DEFAULTS["lr"]), "outer_momentum": str(NESTEROV_DEFAULTS["momentum"]),
-               "timeout_s": "`ddp_timeout`"}  # fmt: skip
+               "timeout_s": "`ddp_timeout`", "sync_density": str(SparseCodec().density),
+               "sync_bits": str(SparseCodec().bits), "sync_chunk": str(SparseCodec().chunk),
+               "sync_feedback_decay": "1"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
