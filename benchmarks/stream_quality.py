@@ -63,14 +63,39 @@ from benchmarks.harness.study import Study, add_folder_options, new_parser, rewr
 REFERENCE = "FL+FSDP"  # blocking fp32 FedAvg, the paper's
 FRAGMENTS = int(variant_settings("FL+FSDP stream")["fed_sync_fragments"])  # the overlap study's F
 FRAGMENTS_ONLY = "FL+FSDP fragments"
+NESTEROV = ["--fed_outer_optimizer", "nesterov"]
+TOPK_1, TOPK_3 = (["--fed_sync_dtype", "topk", "--fed_sync_density", d, "--fed_sync_bits", "2"]
+                  for d in ("0.01", "0.03"))  # fmt: skip
 OWN_VARIANTS = {  # on top of FL+FSDP; not in report.VARIANTS (tiers.py runs every one of those)
     FRAGMENTS_ONLY: ["--fed_sync_fragments", str(FRAGMENTS)],
     "FL+FSDP overlap int8": ["--fed_sync_overlap", "1", "--fed_sync_dtype", "int8"],
     "FL+FSDP stream F2": ["--fed_sync_fragments", "2", "--fed_sync_overlap", "1"],
+    # The payloads (the sparse one's study: --variants PAYLOAD_VARIANTS): error feedback β = 1 unless said.
+    "FL+FSDP int8 nesterov": ["--fed_sync_dtype", "int8", *NESTEROV],
+    "FL+FSDP topk 1%": TOPK_1,
+    "FL+FSDP topk 1% nesterov": [*TOPK_1, *NESTEROV],
+    "FL+FSDP topk 3%": TOPK_3,
+    "FL+FSDP topk 3% nesterov": [*TOPK_3, *NESTEROV],
+    "FL+FSDP topk 1% no feedback": [*TOPK_1, "--fed_sync_feedback_decay", "0"],
+    "FL+FSDP topk 1% no feedback nesterov": [*TOPK_1, "--fed_sync_feedback_decay", "0", *NESTEROV],
+    "FL+FSDP SparseLoCo": [*TOPK_1, "--fed_sync_feedback_decay", "0.95"],  # decayed feedback, no outer momentum
 }
+PAYLOAD_VARIANTS = (
+    "FL+FSDP",
+    "FL+FSDP nesterov",
+    "FL+FSDP int8",
+    "FL+FSDP int8 nesterov",
+    "FL+FSDP topk 1%",
+    "FL+FSDP topk 1% nesterov",
+    "FL+FSDP topk 3%",
+    "FL+FSDP topk 3% nesterov",
+    "FL+FSDP topk 1% no feedback",
+    "FL+FSDP topk 1% no feedback nesterov",
+    "FL+FSDP SparseLoCo",
+)
 VARIANTS = (REFERENCE, "FL+FSDP overlap", FRAGMENTS_ONLY, "FL+FSDP stream", "FL+FSDP stream int8", "FL+FSDP int8")
 EXTRA_VARIANTS = ("FL+FSDP overlap int8", "FL+FSDP stream F2")  # on request (--variants): candidates to pick
-CHOICES = VARIANTS + EXTRA_VARIANTS
+CHOICES = tuple(dict.fromkeys(VARIANTS + EXTRA_VARIANTS + PAYLOAD_VARIANTS))
 QUICK_VARIANTS = (REFERENCE, FRAGMENTS_ONLY, "FL+FSDP stream")
 NICENESS = 19  # every launch yields the cores to other jobs: nothing here is timed
 
@@ -136,7 +161,18 @@ def train(cfg: StreamQualityConfig, name: str, seed: int, data: Path, work: Path
     print(f"  {name:<20} seed {seed}: eval ppl at step {evals[-1][0]} {math.exp(evals[-1][1]):.1f} ({wall_s:.0f} s)",
           flush=True)  # fmt: skip
     train_loss = [[e["step"], e["loss"]] for e in record["log_history"] if "loss" in e]
-    return {"variant": name, "seed": seed, "evals": evals, "train_loss": train_loss, "wall_s": round(wall_s, 1)}
+    return {"variant": name, "seed": seed, "evals": evals, "train_loss": train_loss, "wall_s": round(wall_s, 1),
+            "bytes_per_averaging": bytes_per_averaging(record["log_history"])}  # fmt: skip
+
+
+def bytes_per_averaging(log_history: list[dict]) -> float | None:
+    """Rank 0's ``fed_inter_group_bytes`` per averaging after step 0's (the initial weights' plain fp32 mean), from
+    the first and last logs that count averagings."""
+    counted = [e for e in log_history if "fed_syncs" in e]
+    if len(counted) < 2 or counted[-1]["fed_syncs"] == counted[0]["fed_syncs"]:
+        return None
+    first, last = counted[0], counted[-1]
+    return (last["fed_inter_group_bytes"] - first["fed_inter_group_bytes"]) / (last["fed_syncs"] - first["fed_syncs"])
 
 
 # ---- the figures: pure functions of the runs (tests/unit/test_benchmarks.py feeds them synthetic runs) ----
@@ -237,7 +273,9 @@ def summarize(runs: list[dict], cfg: dict) -> dict:
         settings = variant_args(name, bench)[len(method_args(REFERENCE, bench)) :]  # past FL+FSDP's own
         others = [p for p in lines[name] if p["ratio"] and p["step"] > 0] if name != REFERENCE else []
         peak = max(others, key=lambda p: p["ratio"]["median"], default=None)  # where the gap was widest
+        sent = [r["bytes_per_averaging"] for r in runs if r["variant"] == name and r.get("bytes_per_averaging")]
         rows.append({"variant": name, "settings": settings, "at": [at.get(s) for s in study.report_steps()],
+                     "bytes_per_averaging": spread(sent) if sent else None,
                      "last_quarter": last_quarter_ratio(runs, name, study.steps), "peak": peak,
                      "reference_steps": reference_steps(runs, name)})  # fmt: skip
     gap = train_loss_gap(runs, study.variants, study.sync_steps)
@@ -260,8 +298,8 @@ def markdown(results: dict) -> str:
         "| variant | settings | "
         + " | ".join(f"eval ppl at {s} | ÷ {REFERENCE} at {s}" for s in steps)
         + f" | ÷ {REFERENCE}, mean over steps {3 * cfg['steps'] // 4 + 1}–{cfg['steps']} | largest ÷ {REFERENCE} "
-        f"(step) | {REFERENCE} reached its ppl at {cfg['steps']} at step |",
-        "|---|---|" + "---:|---:|" * len(steps) + "---:|---:|---:|",
+        f"(step) | {REFERENCE} reached its ppl at {cfg['steps']} at step | bytes rank 0 sent per averaging |",
+        "|---|---|" + "---:|---:|" * len(steps) + "---:|---:|---:|---:|",
     ]
     for row in summary["rows"]:
         settings = " ".join(f"`{k} {v}`" for k, v in zip(row["settings"][::2], row["settings"][1::2], strict=True))
@@ -272,6 +310,7 @@ def markdown(results: dict) -> str:
         cells.append(median_range(row.get("last_quarter"), ".3f"))
         cells.append(f"{median_range(peak['ratio'], '.3f')} ({peak['step']})" if peak else "—")
         cells.append(_reached(row.get("reference_steps")) if row["variant"] != REFERENCE else "—")
+        cells.append(median_range(row.get("bytes_per_averaging"), ",.0f"))
         lines.append("| " + " | ".join(cells) + " |")
     gap, h = summary.get("train_loss_gap"), cfg["sync_steps"]
     if gap:

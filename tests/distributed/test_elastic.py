@@ -38,6 +38,12 @@ H4_10_STEPS = [*TINY, "--max_steps", "10", "--fed_sync_steps", "4"]
              "true"],
             id="fragments-overlap-nesterov-int8-evaluations",
         ),
+        pytest.param(
+            ["--fed_sync_fragments", "2", "--fed_sync_overlap", "1", "--fed_outer_optimizer", "nesterov",
+             "--fed_sync_dtype", "topk", "--fed_sync_density", "0.05", "--fed_sync_bits", "2", "--fed_sync_chunk",
+             "64", "--fed_sync_feedback_decay", "0.9"],
+            id="fragments-overlap-nesterov-topk",
+        ),
     ],
 )  # fmt: skip
 def test_torchft_equals_the_one_job_mesh_to_the_bit(tmp_path, extra, request):

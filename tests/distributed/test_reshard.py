@@ -1,9 +1,10 @@
 """Resuming a federated checkpoint on another layout, with real launches (torchrun, gloo).
 
-A run of 2 groups × 2 ranks with the Nesterov outer optimizer and AdamW writes checkpoint-2 (between averagings)
-and checkpoint-4 (on one); other layouts resume them, and what their training starts from is pinned to the rule:
-the global model (group 0's, or the plain mean of the groups' models in fp32), the anchor and outer momentum, the
-mean of the groups' AdamW moments, the LR schedule's step, and the samples each rank reads next. The data
+A run of 2 groups × 2 ranks with the Nesterov outer optimizer, AdamW and the sparse payload (topk, error feedback)
+writes checkpoint-2 (between averagings) and checkpoint-4 (on one); other layouts resume them, and what their
+training starts from is pinned to the rule: the global model (group 0's, or the plain mean of the groups' models in
+fp32), the anchor and outer momentum, the mean of the groups' AdamW moments and of their error-feedback residuals,
+the LR schedule's step, and the samples each rank reads next. The data
 arithmetic and the outer state by parameter are tests/unit/test_reshard.py.
 """
 
@@ -20,7 +21,8 @@ from ..launch import SCRIPTS, SGD, torchrun
 from .test_reliability import ADAMW, read_dcp
 
 SOURCE = ["--fed_group_size", "2", "--fed_sync_steps", "4", "--max_steps", "6", "--save_strategy", "steps",
-          "--save_steps", "2", "--fed_outer_optimizer", "nesterov", *ADAMW]  # fmt: skip
+          "--save_steps", "2", "--fed_outer_optimizer", "nesterov", *ADAMW, "--fed_sync_dtype", "topk",
+          "--fed_sync_density", "0.05", "--fed_sync_bits", "4", "--fed_sync_chunk", "64"]  # fmt: skip
 BATCH = 2  # per device (tests.launch.SGD)
 
 
@@ -65,6 +67,8 @@ def assert_starts_from(resumed: dict, checkpoint: Path, tmp_path: Path, model_gr
     outer = read_dcp(checkpoint / "fed_outer", tmp_path)
     optimizers = [read_dcp(checkpoint / f"fed_group{g}" / "optimizer", tmp_path)["optimizer"] for g in (0, 1)]
     assert sorted(resumed["momentum"]) == sorted(outer.get("momentum", {}))
+    residuals = [read_dcp(checkpoint / f"fed_group{g}" / "feedback", tmp_path)["feedback"] for g in (0, 1)]
+    assert sorted(resumed["feedback"]) == sorted(resumed["anchor"])
     for name, value in resumed["params"].items():
         expected = models[0][name] if len(models) == 1 else mean_of_groups([m[name] for m in models])
         assert torch.equal(value, expected), name
@@ -76,6 +80,7 @@ def assert_starts_from(resumed: dict, checkpoint: Path, tmp_path: Path, model_gr
             assert not torch.equal(*per_group)  # the groups' moments differ: the mean is a real one
             assert torch.equal(resumed["moments"][name][moment], mean_of_groups(per_group)), (name, moment)
         assert resumed["inner_steps"][name] == float(optimizers[0]["state"][name]["step"])
+        assert torch.equal(resumed["feedback"][name], mean_of_groups([r[name] for r in residuals])), name
 
 
 @pytest.mark.timeout(900)
@@ -112,6 +117,8 @@ def test_after_an_averaging_resumes_on_two_groups_and_on_fl_hsdp(source, tmp_pat
     out, order = source
     args = ["--resume_from_checkpoint", out / "checkpoint-4", *layout, "--record_resume", "true"]
     runs = run(nproc, tmp_path, [*SOURCE, *args])
+    residuals = [read_dcp(out / "checkpoint-4" / f"fed_group{g}" / "feedback", tmp_path)["feedback"] for g in (0, 1)]
+    assert all(not torch.equal(*(r[n] for r in residuals)) for n in residuals[0])  # each kept what it did not send
     for r in runs:
         assert r["resumed"]["momentum"], "the outer step at 4 started Nesterov's momentum"
         assert_starts_from(r["resumed"], out / "checkpoint-4", tmp_path, model_groups=[0])

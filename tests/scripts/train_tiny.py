@@ -317,7 +317,8 @@ class ResumeRecorder(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self.trainer
         named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
-        fragments = trainer.fed_callback.averager.state_dict()["outer"]["fragments"]
+        averaging = trainer.fed_callback.averager.state_dict()
+        fragments = averaging["outer"]["fragments"]
         anchors = [a for f in fragments for a in f["anchor"]]
         momenta = [f["optimizer"]["state"].get(i, {}).get("momentum_buffer") for f in fragments
                    for i in range(len(f["anchor"]))]  # fmt: skip
@@ -332,6 +333,7 @@ class ResumeRecorder(TrainerCallback):
             "moments": moments,
             "inner_steps": {n: float(optimizer.state[p]["step"]) for n, p in named if "step" in optimizer.state[p]},
             "last_epoch": trainer.lr_scheduler.last_epoch,
+            "feedback": {n: full_of(e, p) for (n, p), e in zip(named, averaging["feedback"] or [], strict=False)},
         }
 
 

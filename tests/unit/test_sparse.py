@@ -20,6 +20,7 @@ from hf_fedshard.engine.sparse import SparseCodec
 from hf_fedshard.errors import ConfigError
 
 from ..fake_communicator import FakeCommunicator, run_ranks
+from ..tiny_federation import engine_run
 
 
 def rule(x: torch.Tensor, codec: SparseCodec) -> torch.Tensor:
@@ -159,3 +160,14 @@ def test_bad_sparse_settings_are_refused_in_one_line_naming_the_setting(settings
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}") as err:
         AveragingOptions(**settings)
     assert "\n" not in str(err.value)
+
+
+def test_the_counted_bytes_are_what_each_rank_gathers_to_the_two_others():
+    """3 groups, H = 4, 8 steps: step 0's fp32 plain mean of 26 parameters and a 2-value buffer (112 bytes), then
+    two averagings of 2 × (19 + 7 + 13 + 6) bytes of sparse Δ (the 12, 4, 8 and 2 values in chunks of 5 at k = 2 of
+    5: codes, uint8 indices, scales) and the buffer's 8 bytes in fp32."""
+    results = engine_run(8, sync_dtype="topk", sync_density=0.4, sync_chunk=5)
+    codec = SparseCodec(0.4, 2, 5)
+    assert [codec.nbytes(n) for n in (12, 4, 8, 2)] == [19, 7, 13, 6]
+    for _, averager, _, _ in results:
+        assert averager.counters.inter_group_bytes == 112 + 2 * (2 * 45 + 8)
