@@ -299,73 +299,71 @@ class PieceExchange:
     def _mean_flat(
         self, flats: list[torch.Tensor], contributors: int, addresses: tuple[Address, ...], sync_dtype: str
     ) -> tuple[list[torch.Tensor], int]:
-        """The three all-to-alls of the module docstring over one bucket of flat fp32 tensors."""
+        """The three all-to-alls of the module docstring over one bucket of flat fp32 tensors: the owner sums the
+        decoded copies and encodes the mean once, or (the sparse payload) gathers the G encodings and hands all of
+        them on, each holder summing them itself."""
         if self.sparse is not None and sync_dtype == SPARSE:
-            return self._sparse_mean_flat(flats, contributors, addresses)
-        pieces = plan(addresses, self.groups)
-        offsets = [self.offset(a, f) for a, f in zip(addresses, flats, strict=True)]
-        device = flats[0].device
+            codec, groups = self.sparse, len(self.groups)
 
-        def values(piece: Piece) -> torch.Tensor:
-            lo = piece.start - offsets[piece.tensor]
-            return flats[piece.tensor][lo : lo + piece.numel]
+            def weighted_sum(piece: Piece, bundle: torch.Tensor) -> torch.Tensor:
+                total = torch.zeros(piece.numel, dtype=torch.float32, device=bundle.device)
+                for shape, part in zip(self.groups, bundle.split(codec.nbytes(piece.numel)), strict=True):
+                    total += shape.weight * codec.decode(part, piece.numel)  # in group order
+                return total / contributors
+
+            results, mine = self._through_owners(
+                flats, addresses, codec.encode, lambda p: codec.nbytes(p.numel),
+                lambda p, own, copies: torch.cat([own if g == self.group else copies[(p, g)] for g in range(groups)]),
+                lambda p: groups * codec.nbytes(p.numel), weighted_sum,
+            )  # fmt: skip
+            # a copy to the owner; the owner's G copies to each of the G - 1 others
+            copies = [(groups - 1) * groups if p.owner == self.group else 1 for p in mine]
+            return results, sum(n * codec.nbytes(p.numel) for n, p in zip(copies, mine, strict=True))
 
         def nbytes(piece: Piece) -> int:
             return _encoded_bytes(piece.numel, sync_dtype)
 
-        mine = [p for p in pieces if p.designated(self.group) == self.me]
-        encoded = {p: _to_bytes(values(p), sync_dtype) for p in mine}
-        copies = self._route(pieces, to_owner, encoded, nbytes, device)
-        means = {
-            p: self._owner_mean(p, encoded[p], copies, contributors, sync_dtype) for p in mine if p.owner == self.group
-        }
-        back = self._route(pieces, from_owner, means, nbytes, device)
-        means.update({p: data for (p, _), data in back.items()})
-        fanned = self._route(pieces, to_replicas, means, nbytes, device)
-        means.update({p: data for (p, _), data in fanned.items()})
-        results = [f.clone() for f in flats]
-        for piece, data in means.items():
-            lo = piece.start - offsets[piece.tensor]
-            results[piece.tensor][lo : lo + piece.numel] = _from_bytes(data, piece.numel, sync_dtype)
-        return results, sum(_encoded_bytes(p.numel, sync_dtype) for p in mine)
+        results, mine = self._through_owners(
+            flats, addresses, lambda x: _to_bytes(x, sync_dtype), nbytes,
+            lambda p, own, copies: self._owner_mean(p, own, copies, contributors, sync_dtype), nbytes,
+            lambda p, data: _from_bytes(data, p.numel, sync_dtype),
+        )  # fmt: skip
+        return results, sum(nbytes(p) for p in mine)
 
-    def _sparse_mean_flat(
-        self, flats: list[torch.Tensor], contributors: int, addresses: tuple[Address, ...]
-    ) -> tuple[list[torch.Tensor], int]:
-        """`_mean_flat` for the sparse payload: the owner gathers the G encodings and hands all of them on."""
-        pieces, codec, groups = plan(addresses, self.groups), self.sparse, len(self.groups)
+    def _through_owners(
+        self,
+        flats: list[torch.Tensor],
+        addresses: tuple[Address, ...],
+        encode: Callable[[torch.Tensor], torch.Tensor],
+        nbytes: Callable[[Piece], int],
+        combine: Callable[[Piece, torch.Tensor, dict], torch.Tensor],
+        combined_bytes: Callable[[Piece], int],
+        finish: Callable[[Piece, torch.Tensor], torch.Tensor],
+    ) -> tuple[list[torch.Tensor], list[Piece]]:
+        """Each piece ``encode``d by its designated holders and sent to its owner's, who ``combine``s the G copies
+        (its own first argument, the others by (piece, group)); the result back to every group's holder and on to
+        its other holders, where ``finish`` turns it into the piece's values. Returns the new flat tensors and the
+        pieces this rank encoded."""
+        pieces = plan(addresses, self.groups)
         offsets = [self.offset(a, f) for a, f in zip(addresses, flats, strict=True)]
         device = flats[0].device
 
-        def values(piece: Piece) -> torch.Tensor:
+        def span(piece: Piece) -> slice:
             lo = piece.start - offsets[piece.tensor]
-            return flats[piece.tensor][lo : lo + piece.numel]
-
-        def nbytes(piece: Piece) -> int:
-            return codec.nbytes(piece.numel)
-
-        def bundle_bytes(piece: Piece) -> int:
-            return groups * codec.nbytes(piece.numel)
+            return slice(lo, lo + piece.numel)
 
         mine = [p for p in pieces if p.designated(self.group) == self.me]
-        encoded = {p: codec.encode(values(p)) for p in mine}
+        encoded = {p: encode(flats[p.tensor][span(p)]) for p in mine}
         copies = self._route(pieces, to_owner, encoded, nbytes, device)
-        owned = [p for p in mine if p.owner == self.group]
-        bundles = {p: torch.cat([encoded[p] if g == self.group else copies[(p, g)] for g in range(groups)])
-                   for p in owned}  # fmt: skip
-        back = self._route(pieces, from_owner, bundles, bundle_bytes, device)
-        bundles.update({p: data for (p, _), data in back.items()})
-        fanned = self._route(pieces, to_replicas, bundles, bundle_bytes, device)
-        bundles.update({p: data for (p, _), data in fanned.items()})
+        combined = {p: combine(p, encoded[p], copies) for p in mine if p.owner == self.group}
+        back = self._route(pieces, from_owner, combined, combined_bytes, device)
+        combined.update({p: data for (p, _), data in back.items()})
+        fanned = self._route(pieces, to_replicas, combined, combined_bytes, device)
+        combined.update({p: data for (p, _), data in fanned.items()})
         results = [f.clone() for f in flats]
-        for piece, data in bundles.items():
-            total = torch.zeros(piece.numel, dtype=torch.float32, device=device)
-            for shape, part in zip(self.groups, data.split(nbytes(piece)), strict=True):  # in group order
-                total += shape.weight * codec.decode(part, piece.numel)
-            lo = piece.start - offsets[piece.tensor]
-            results[piece.tensor][lo : lo + piece.numel] = total / contributors
-        sent = sum(nbytes(p) for p in mine if p.owner != self.group)
-        return results, sent + sum((groups - 1) * bundle_bytes(p) for p in owned)
+        for piece, data in combined.items():
+            results[piece.tensor][span(piece)] = finish(piece, data)
+        return results, mine
 
     def _owner_mean(
         self,

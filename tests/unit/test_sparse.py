@@ -123,8 +123,10 @@ def test_the_exchange_sums_the_decoded_payloads_in_group_order_and_counts_a_gath
 
 
 def test_groups_of_unequal_size_sum_every_groups_pieces_weighted_in_group_order():
-    """Groups of 2 and 1 shard ranks: the pieces are the halves of a tensor, each encoded on its own; mean =
-    (2 · D(E(x_0)) + 1 · D(E(x_1))) / 3 per piece, on every rank; `sent` is the same pieces' roundtrip."""
+    """Groups of 2 and 1 shard ranks: the pieces are the halves of a tensor, each encoded on its own (14 bytes: 3
+    values, 3 uint8 indices, 2 scales); mean = (2 · D(E(x_0)) + 1 · D(E(x_1))) / 3 per piece, on every rank; `sent`
+    is the same pieces' roundtrip. Group 0 owns both halves: its ranks each send their half's 2 encodings to group 1,
+    whose rank sends its 2 halves' encodings to them: 28 bytes each."""
     codec = SparseCodec(0.5, 8, 4)
     shapes = (GroupShape((0, 1), 2), GroupShape((2,), 1))
     address = Address(12, 6)
@@ -138,7 +140,9 @@ def test_groups_of_unequal_size_sum_every_groups_pieces_weighted_in_group_order(
         return group, span, exchange.mean(local, 3, [address]), exchange.sent(local, [address])
 
     pieces = [(0, 6), (6, 12)]
-    for group, span, (means, _), sent in run_ranks(3, rank_fn):
+    assert codec.nbytes(6) == 14
+    for group, span, (means, nbytes), sent in run_ranks(3, rank_fn):
+        assert nbytes == 28
         expected = torch.cat([(2 * codec.roundtrip(whole[0][a:b]) + codec.roundtrip(whole[1][a:b])) / 3
                               for a, b in pieces])  # fmt: skip
         torch.testing.assert_close(means[0], expected[span[0] : span[1]], rtol=0, atol=0)
