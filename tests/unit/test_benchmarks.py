@@ -814,3 +814,30 @@ def test_variant_targets_compare_bytes_with_fp32_and_the_model():
     assert rows["FL+FSDP int8 eval ppl at equal tokens ≤ 1.02× fp32 FL+FSDP"] == (1.03, 1.02, "≤")
     value, bound, _ = rows["FL+FSDP int8 inter-node bytes within 5% of the model (measured/predicted - 1)"]
     assert value == pytest.approx(103 / 101.5 - 1) and bound == 0.05
+
+
+def test_goodput_targets_hold_each_torchft_path_to_its_own_runs_and_its_tokens_to_the_blocking_ones():
+    """Two torchft paths: each one's restart target uses its own start-up and averaging interval; without failures the
+    overlapped path must commit at least the blocking path's tokens/s (1,100 ≥ 1,000: met; 900: not)."""
+
+    def row(path, fault, tokens, startup, back=None):
+        one = lambda x: None if x is None else {"median": x, "min": x, "max": x}  # noqa: E731
+        return {"path": path, "fault": fault, "interval_s": None if fault is None else 120.0, "ended": [4],
+                "models": [1], "tokens_per_s": one(tokens), "goodput": one(None if fault is None else 0.95),
+                "averaging_interval_s": one(4.0), "startup_s": one(startup), "back_s": one(back),
+                "max_stall_s": one(5.0)}  # fmt: skip
+
+    cfg = goodput.GoodputConfig(paths=("torchft", "torchft-overlap-int8"), faults=("worker",))
+    for overlapped, met in ((1100.0, True), (900.0, False)):
+        rows = [row("torchft", None, 1000.0, 30.0), row("torchft-overlap-int8", None, overlapped, 20.0),
+                row("torchft", "worker", 950.0, 30.0, back=33.0), row("torchft-overlap-int8", "worker", 990.0, 20.0,
+                back=25.0)]  # fmt: skip
+        targets = {t["target"]: t["met"] for t in goodput.targets(rows, cfg)}
+        assert targets["torchft-overlap-int8, no faults: tokens/s ≥ blocking torchft's (1000)"] is met
+        assert targets["torchft, worker faults every 120 s: restarted group back ≤ start-up + one averaging (30.0 + "
+                       "4.0 s)"]  # fmt: skip
+        assert not targets["torchft-overlap-int8, worker faults every 120 s: restarted group back ≤ start-up + one "
+                           "averaging (20.0 + 4.0 s)"]  # 25 s: its own start-up, not the blocking path's  # fmt: skip
+    with pytest.raises(ValueError, match="--paths must begin with torchft"):
+        goodput.GoodputConfig(paths=("mesh", "torchft")).validate()
+    assert goodput.elastic("torchft-overlap-int8") and not goodput.elastic("mesh")
