@@ -823,12 +823,18 @@ class FederatedAverager:
                 f", speed-aware rounds (each group trains {self.rounds.min_steps}–{self.schedule.sync_steps} of the "
                 f"{self.schedule.sync_steps} steps of a round, by its speed)"
             )
+        codec, sparse = self.options.sparse, ""
+        if codec is not None:
+            residual = sum(e.numel() * e.element_size() for f in self.fragments for e in f.feedback.residual) / 1e6
+            sparse = (f"; topk sends {codec.density:g} of each {codec.chunk}-value chunk in {codec.bits} bits, "
+                      f"error feedback β = {self.options.feedback_decay:g} ({residual:.1f} MB per rank on the "
+                      "shards' device)")  # fmt: skip
         notice(
             "averaging with %s: %d fragment(s) of whole FSDP units (%s M parameters), %s; outer state (anchor%s) "
-            "%.1f MB per rank on %s",
+            "%.1f MB per rank on %s%s",
             self.settings.describe(), len(self.fragments), sizes, timing,
             ", momentum" if self.settings.outer_momentum else "",
-            sum(f.outer.nbytes for f in self.fragments) / 1e6, device,
+            sum(f.outer.nbytes for f in self.fragments) / 1e6, device, sparse,
         )  # fmt: skip
 
 
