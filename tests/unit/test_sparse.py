@@ -178,9 +178,10 @@ def test_the_counted_bytes_are_what_each_rank_gathers_to_the_two_others():
 
 
 def test_a_group_with_nan_is_left_out_and_starts_again_from_an_empty_residual():
-    """Group 1 turns NaN at step 3: the averaging of step 4 leaves it out (the mean of groups 0 and 2's payloads) and
-    restarts it from the global model with e = 0; the others keep what they did not send."""
-    results = engine_run(4, nan_at=(1, 3), sync_dtype="topk", sync_density=0.4, sync_chunk=5)
+    """Group 1 turns NaN at step 7, holding a residual from step 4's averaging: the averaging of step 8 leaves it out
+    (the mean of groups 0 and 2's payloads) and restarts it from the global model with e = 0; the others keep what
+    they did not send."""
+    results = engine_run(8, nan_at=(1, 7), sync_dtype="topk", sync_density=0.4, sync_chunk=5)
     residuals = [[e for f in averager.fragments for e in f.feedback.residual] for _, averager, _, _ in results]
     assert not any(e.any() for e in residuals[1])
     assert all(any(e.any() for e in residuals[g]) for g in (0, 2))
