@@ -694,8 +694,7 @@ class FederatedAverager:
 
     def _feedback(self, params: list[torch.Tensor]) -> ErrorFeedback | None:
         """A fragment's error feedback, with the sparse payload."""
-        codec = self.options.sparse
-        return None if codec is None else ErrorFeedback(params, self.options.feedback_decay)
+        return None if self.options.sparse is None else ErrorFeedback(params, self.options.feedback_decay)
 
     def _residuals(self) -> list[torch.Tensor] | None:
         """Every fragment's residual, by trainable parameter (``None`` without error feedback)."""
@@ -726,7 +725,6 @@ class FederatedAverager:
         comm, shapes = self.comm, self._shapes
         if shapes is None:
             return Exchange(comm.exchange_peers, sync_dtype, comm.split, sparse=self.options.sparse), None
-
         _check_dim0_shards(self.model)
         plain = PieceExchange(comm.control, shapes, comm.group)
         for address, tensor in zip(self._addresses, model_state_tensors(self.model), strict=True):
