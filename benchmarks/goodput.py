@@ -5,6 +5,8 @@
     sudo python -m benchmarks.goodput --intervals-s 30 60 120 --faults launch     # the failure-rate sweep
     sudo python -m benchmarks.goodput --paths torchft torchft-overlap-int8 --faults worker launch --repeats 2
                                                    # the overlapped int8 averaging against the blocking one
+    sudo python -m benchmarks.goodput --paths torchft torchft-overlap-int8 --faults none --run-s 120 --repeats 3
+                                                   # their throughput alone, without failures
     sudo python -m benchmarks.goodput --quick --groups 2 --run-s 10 --intervals-s 8 --restart-s 2 --faults full
                                                    # the smoke the tests run: 1 fault a run, 4 runs of 10 s
 
@@ -112,7 +114,7 @@ class GoodputConfig:
             raise ValueError(f"--save-steps={self.save_steps} must be a multiple of H={self.sync_steps}.")
         if max(self.victims) >= self.groups or 0 in self.victims:
             raise ValueError(f"victims {self.victims} must be groups 1 … {self.groups - 1}.")
-        if not all(self.restart_s < t < self.run_s for t in self.intervals_s):
+        if self.faults and not all(self.restart_s < t < self.run_s for t in self.intervals_s):
             raise ValueError(f"every interval must lie between R={self.restart_s} s and the run, {self.run_s} s.")
         if unknown := set(self.faults) - set(FAULTS):
             raise ValueError(f"--faults {' '.join(sorted(unknown))}: the kinds are {', '.join(FAULTS)}.")
@@ -616,7 +618,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = new_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="4 groups × 1 rank, T = 30 s, 60 s runs, R = 5 s, once.")
     p.add_argument("--intervals-s", type=float, nargs="+", help="Failure intervals T (default 120; quick 30).")
-    p.add_argument("--faults", nargs="+", choices=FAULTS, help="Fault kinds (default: all three).")
+    p.add_argument("--faults", nargs="+", choices=[*FAULTS, "none"],
+                   help="Fault kinds (default: all three); none: only the runs without failures.")  # fmt: skip
     p.add_argument("--paths", nargs="+", choices=list(PATHS), help="Paths, torchft first (default: torchft mesh).")
     p.add_argument("--run-s", type=float, help="Training seconds per run (default 240; quick 60).")
     p.add_argument("--restart-s", type=float, help="Seconds a killed launch stays down (default 10; quick 5).")
@@ -633,7 +636,7 @@ def config_from_args(args: argparse.Namespace) -> GoodputConfig:
     quick = {"intervals_s": (30.0,), "run_s": 60.0, "restart_s": 5.0, "repeats": 1, "ranks_per_group": 1}
     cfg = GoodputConfig(**(quick if args.quick else {}))
     given = {"intervals_s": tuple(args.intervals_s) if args.intervals_s else None, "run_s": args.run_s,
-             "faults": tuple(args.faults) if args.faults else None,
+             "faults": tuple(f for f in args.faults if f != "none") if args.faults else None,
              "paths": tuple(args.paths) if args.paths else None, "stagger_s": args.stagger_s,
              "restart_s": args.restart_s, "repeats": args.repeats, "ranks_per_group": args.ranks_per_group,
              "groups": args.groups, "victims": tuple(range(1, args.groups)) if args.groups else None}  # fmt: skip
