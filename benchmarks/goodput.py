@@ -120,8 +120,8 @@ class GoodputConfig:
             raise ValueError(f"--faults {' '.join(sorted(unknown))}: the kinds are {', '.join(FAULTS)}.")
         if unknown := set(self.paths) - set(PATHS):
             raise ValueError(f"--paths {' '.join(sorted(unknown))}: the paths are {', '.join(PATHS)}.")
-        if self.paths[0] != "torchft":
-            raise ValueError("--paths must begin with torchft: the targets compare the other paths with it.")
+        if not self.paths or len(set(self.paths)) != len(self.paths):
+            raise ValueError(f"--paths {' '.join(self.paths)}: name each path once.")
 
 
 def elastic(path: str) -> bool:
@@ -473,17 +473,15 @@ def targets(rows: list[dict], cfg: GoodputConfig) -> list[dict]:
     back within its start-up + one averaging interval (both from the path's run without failures; a full restart's
     last group starts (G - 1) × the stagger later); without failures, tokens/s at least the blocking torchft path's."""
     out = []
+    blocking = next((r for r in rows if r["path"] == "torchft" and r["interval_s"] is None), None)
     for path in filter(elastic, cfg.paths):
-        out += path_targets(
-            [r for r in rows if r["path"] == path],
-            next(r for r in rows if r["path"] == "torchft" and r["interval_s"] is None),
-            cfg,
-        )
+        out += path_targets([r for r in rows if r["path"] == path], blocking, cfg)
     return out
 
 
-def path_targets(rows: list[dict], blocking: dict, cfg: GoodputConfig) -> list[dict]:
-    """`targets` for the rows of one torchft path; ``blocking``: the torchft path's row without failures."""
+def path_targets(rows: list[dict], blocking: dict | None, cfg: GoodputConfig) -> list[dict]:
+    """`targets` for the rows of one torchft path; ``blocking``: the torchft path's row without failures (``None``
+    where the study did not run it)."""
     base = next(r for r in rows if r["interval_s"] is None)
     interval = base["averaging_interval_s"]["median"] if base["averaging_interval_s"] else 0.0
     startup = base["startup_s"]["median"] if base["startup_s"] else 0.0
@@ -495,7 +493,7 @@ def path_targets(rows: list[dict], blocking: dict, cfg: GoodputConfig) -> list[d
                     "met": ended_identical(row, cfg.groups)})  # fmt: skip
         if row["fault"] is None:
             checks = []
-            if row is not blocking and blocking["tokens_per_s"]:
+            if blocking is not None and row is not blocking and blocking["tokens_per_s"]:
                 floor = blocking["tokens_per_s"]["median"]
                 checks.append((f"{what}: tokens/s ≥ blocking torchft's ({floor:.0f})", row["tokens_per_s"], floor,
                                1.0, ""))  # fmt: skip
@@ -620,7 +618,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--intervals-s", type=float, nargs="+", help="Failure intervals T (default 120; quick 30).")
     p.add_argument("--faults", nargs="+", choices=[*FAULTS, "none"],
                    help="Fault kinds (default: all three); none: only the runs without failures.")  # fmt: skip
-    p.add_argument("--paths", nargs="+", choices=list(PATHS), help="Paths, torchft first (default: torchft mesh).")
+    p.add_argument("--paths", nargs="+", choices=list(PATHS), help="Paths (default: torchft mesh).")
     p.add_argument("--run-s", type=float, help="Training seconds per run (default 240; quick 60).")
     p.add_argument("--restart-s", type=float, help="Seconds a killed launch stays down (default 10; quick 5).")
     p.add_argument("--stagger-s", type=float, help="A full restart's groups start this far apart (default 5).")

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -838,6 +838,8 @@ def test_goodput_targets_hold_each_torchft_path_to_its_own_runs_and_its_tokens_t
                        "4.0 s)"]  # fmt: skip
         assert not targets["torchft-overlap-int8, worker faults every 120 s: restarted group back ≤ start-up + one "
                            "averaging (20.0 + 4.0 s)"]  # 25 s: its own start-up, not the blocking path's  # fmt: skip
-    with pytest.raises(ValueError, match="--paths must begin with torchft"):
-        goodput.GoodputConfig(paths=("mesh", "torchft")).validate()
+    with pytest.raises(ValueError, match="--paths torchft torchft: name each path once"):
+        goodput.GoodputConfig(paths=("torchft", "torchft")).validate()
+    alone = goodput.targets([r for r in rows if r["path"] != "torchft"], replace(cfg, paths=("torchft-overlap-int8",)))
+    assert alone and not any("tokens/s" in t["target"] for t in alone)  # no blocking path to compare with
     assert goodput.elastic("torchft-overlap-int8") and not goodput.elastic("mesh")
