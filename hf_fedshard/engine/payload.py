@@ -55,10 +55,16 @@ def model_state_tensors(model: nn.Module) -> list[torch.Tensor]:
     that every parameter is its sharded DTensor again. Non-persistent buffers (e.g. rotary ``inv_freq``)
     are caches derived from the config, equal everywhere, and integer buffers are counters: neither is sent.
     """
+    reshard_units(model)
+    return [local_tensor(p) for p in trainable_parameters(model)] + [local_tensor(b) for b in _buffers(model)]
+
+
+def reshard_units(model: nn.Module) -> None:
+    """Put every FSDP2 unit back on its shards: a forward without backward (an evaluation) leaves the units FSDP
+    does not reshard after forward (the root) on their unsharded parameters, which the shards would not show."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-    return [local_tensor(p) for p in trainable_parameters(model)] + [local_tensor(b) for b in _buffers(model)]
 
 
 def model_state_addresses(model: nn.Module) -> list[Address]:

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import datasets
 import torch
 from torch.distributed import ProcessGroup, all_reduce, get_rank, get_world_size
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
 
 from hf_fedshard.engine import FederationCommunicator
+from hf_fedshard.engine.payload import reshard_units
 from hf_fedshard.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def evaluate_each_group(
         totals = _loss_totals(trainer, dataset, collator, rank, world)
     finally:
         model.train(was_training)
-        _reshard(model)
+        reshard_units(model)  # the global model lent next is written into the shards, which the model must use
     device = trainer.args.device
     totals = totals.to(device)
     if group is not None:
@@ -75,15 +75,6 @@ def evaluate_each_group(
         losses[federation.group] = loss
     federation.control.all_reduce_sum(losses)
     return {f"eval_group{g}_loss": value for g, value in enumerate(losses.tolist())}
-
-
-def _reshard(model: torch.nn.Module) -> None:
-    """Put every FSDP unit back on its shards: a forward without backward leaves the units FSDP does not reshard
-    after forward (the root) on their unsharded parameters, which the averager would then not see (the global
-    model lent right after would be evaluated with this group's own embeddings and head)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def _loss_totals(
