@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from hf_fedshard.checkpointing.checkpoint import OUTER_DIR, group_dir, reading
+from hf_fedshard.checkpointing.checkpoint import OUTER_DIR, StateWrite, dcp_write, group_dir, reading
 from hf_fedshard.topology import FederationLayout
 
 ANCHOR, MOMENTUM, FEEDBACK = "anchor", "momentum", "feedback"
@@ -52,7 +52,9 @@ def _momentum(optimizer_state: dict, index: int) -> torch.Tensor | None:
     return optimizer_state["state"].get(index, {}).get("momentum_buffer")
 
 
-def save_outer_state(checkpoint: str, model: nn.Module, outer: dict, group: ProcessGroup) -> None:
+def save_outer_state(
+    checkpoint: str, model: nn.Module, outer: dict, group: ProcessGroup, write: StateWrite = dcp_write
+) -> None:
     """Write the engine's ``outer`` state as DCP under ``fed_outer/``; every rank of ``group`` must call it."""
     named = named_trainable(model)
     fragments = outer["fragments"]
@@ -62,7 +64,7 @@ def save_outer_state(checkpoint: str, model: nn.Module, outer: dict, group: Proc
         ANCHOR: {name: _wrap(a, p) for (name, p), a in zip(named, anchors, strict=True)},
         MOMENTUM: {name: _wrap(m, p) for (name, p), m in zip(named, momenta, strict=True) if m is not None},
     }
-    dcp.save(state, checkpoint_id=os.path.join(checkpoint, OUTER_DIR), process_group=group)
+    write(state, os.path.join(checkpoint, OUTER_DIR), group)
 
 
 def load_outer_state(checkpoint: str, model: nn.Module, group: ProcessGroup) -> dict:
@@ -95,12 +97,13 @@ def feedback_dir(checkpoint: str, group_index: int) -> str:
     return os.path.join(group_dir(checkpoint, group_index), FEEDBACK)
 
 
-def save_feedback(directory: str, model: nn.Module, residual: list[torch.Tensor], group: ProcessGroup) -> None:
+def save_feedback(
+    directory: str, model: nn.Module, residual: list[torch.Tensor], group: ProcessGroup, write: StateWrite = dcp_write
+) -> None:
     """Write this group's error-feedback residual (a tensor per trainable parameter) with DCP; every rank of
     ``group`` (the group's) must call it."""
     named = named_trainable(model)
-    state = {FEEDBACK: {name: _wrap(e, p) for (name, p), e in zip(named, residual, strict=True)}}
-    dcp.save(state, checkpoint_id=directory, process_group=group)
+    write({FEEDBACK: {name: _wrap(e, p) for (name, p), e in zip(named, residual, strict=True)}}, directory, group)
 
 
 def load_feedback(directory: str, model: nn.Module, group: ProcessGroup) -> list[torch.Tensor] | None:
@@ -158,18 +161,25 @@ def load_in_flight_state(checkpoint: str, group: int, rank: int, device: torch.d
 
 
 def save_averaging_state(
-    checkpoint: str, layout: FederationLayout, rank: int, state: dict, model: nn.Module, group: ProcessGroup
+    checkpoint: str,
+    layout: FederationLayout,
+    rank: int,
+    state: dict,
+    model: nn.Module,
+    group: ProcessGroup,
+    write: StateWrite = dcp_write,
 ) -> None:
     """Write rank ``rank``'s `FederatedAverager.state_dict` into its files: counters and exchange in flight in its
-    group's folder, the outer state (equal in every group) by group 0's ranks over ``group`` (theirs)."""
+    group's folder, the outer state (equal in every group) by group 0's ranks over ``group`` (theirs); its DCP
+    states through ``write``."""
     index = layout.group_index(rank)
     os.makedirs(group_dir(checkpoint, index), exist_ok=True)
     write_counters(checkpoint, index, rank, state["counters"])
     save_in_flight_state(checkpoint, index, rank, state["in_flight"])
     if state.get("feedback") is not None:
-        save_feedback(feedback_dir(checkpoint, index), model, state["feedback"], group)
+        save_feedback(feedback_dir(checkpoint, index), model, state["feedback"], group, write)
     if index == 0:
-        save_outer_state(checkpoint, model, state["outer"], group)
+        save_outer_state(checkpoint, model, state["outer"], group, write)
 
 
 def load_averaging_state(

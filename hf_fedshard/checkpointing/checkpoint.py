@@ -30,7 +30,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,9 +148,19 @@ def _unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     return optimizer
 
 
-def save_group_model(model: nn.Module, directory: str, group: ProcessGroup) -> None:
+def dcp_write(state: dict[str, Any], directory: str, group: ProcessGroup) -> None:
+    """Write ``state`` with DCP over ``group`` now: the synchronous `StateWrite` (the background one:
+    `hf_fedshard.checkpointing.background.BackgroundCheckpointer.write`)."""
+    dcp.save(state, checkpoint_id=directory, process_group=group)
+
+
+StateWrite = Callable[[dict[str, Any], str, ProcessGroup], None]
+"""How a save writes one DCP state (``state``, ``directory``, ``group``): now, or staged for the background."""
+
+
+def save_group_model(model: nn.Module, directory: str, group: ProcessGroup, write: StateWrite = dcp_write) -> None:
     """Write this group's model shards with DCP; every rank of ``group`` (and only those) must call it."""
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=directory, process_group=group)
+    write({"model": get_model_state_dict(model)}, directory, group)
 
 
 def load_group_model(model: nn.Module, directory: str, group: ProcessGroup) -> None:
@@ -162,11 +172,14 @@ def load_group_model(model: nn.Module, directory: str, group: ProcessGroup) -> N
 
 
 def save_group_optimizer(
-    model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, group: ProcessGroup
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    directory: str,
+    group: ProcessGroup,
+    write: StateWrite = dcp_write,
 ) -> None:
     """Write this group's optimizer state (sharded like its parameters) with DCP."""
-    state = get_optimizer_state_dict(model, _unwrap_optimizer(optimizer))
-    dcp.save({"optimizer": state}, checkpoint_id=directory, process_group=group)
+    write({"optimizer": get_optimizer_state_dict(model, _unwrap_optimizer(optimizer))}, directory, group)
 
 
 def load_group_optimizer(
@@ -332,6 +345,26 @@ def _remove_staging_folders(run_dir: str) -> None:
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
 
+def open_staging(final_dir: str, is_writer: bool) -> str:
+    """The staging folder of ``final_dir``, emptied of what killed jobs left and created by ``is_writer``; a barrier
+    over the world, so that no rank writes into it before it exists."""
+    run_dir, name = os.path.split(final_dir)
+    staging = os.path.join(run_dir, STAGING_PREFIX + name)
+    if is_writer:
+        os.makedirs(run_dir, exist_ok=True)
+        _remove_staging_folders(run_dir)
+        os.makedirs(staging)
+    dist.barrier()
+    return staging
+
+
+def publish(staging: str, final_dir: str) -> None:
+    """Rename the finished ``staging`` folder (its manifest written) to ``final_dir``: the moment it exists."""
+    if os.path.isdir(final_dir):  # the same step saved again (a rerun in this output_dir)
+        shutil.rmtree(final_dir)
+    os.rename(staging, final_dir)
+
+
 @contextlib.contextmanager
 def atomic_checkpoint(final_dir: str, is_writer: bool) -> Iterator[str]:
     """Yield a staging folder for every rank to write into; publish it as ``final_dir`` when all are done.
@@ -340,18 +373,10 @@ def atomic_checkpoint(final_dir: str, is_writer: bool) -> Iterator[str]:
     A collective over the world: the barriers make the rename wait for the slowest rank's last byte, and the
     manifest (`hf_fedshard.checkpointing.manifest`) is written once every file is there.
     """
-    run_dir, name = os.path.split(final_dir)
-    staging = os.path.join(run_dir, STAGING_PREFIX + name)
-    if is_writer:
-        os.makedirs(run_dir, exist_ok=True)
-        _remove_staging_folders(run_dir)
-        os.makedirs(staging)
-    dist.barrier()
+    staging = open_staging(final_dir, is_writer)
     yield staging
     dist.barrier()
     write_manifest(staging, is_writer)
     if is_writer:
-        if os.path.isdir(final_dir):  # the same step saved again (a rerun in this output_dir)
-            shutil.rmtree(final_dir)
-        os.rename(staging, final_dir)
+        publish(staging, final_dir)
     dist.barrier()

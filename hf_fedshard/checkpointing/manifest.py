@@ -59,9 +59,17 @@ def write_manifest(checkpoint: str, is_writer: bool) -> None:
     parts: list[dict[str, dict[str, Any]] | None] = [None] * world
     dist.all_gather_object(parts, describe_files(checkpoint, listing[0][rank::world]))
     if is_writer:
-        files = {path: entry for part in parts for path, entry in part.items()}
-        with open(os.path.join(checkpoint, MANIFEST_NAME), "w") as f:
-            json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
+        _dump(checkpoint, {path: entry for part in parts for path, entry in part.items()})
+
+
+def write_manifest_alone(checkpoint: str) -> None:
+    """`write_manifest` by one process, no collective: a background save's publisher hashes every file itself."""
+    _dump(checkpoint, describe_files(checkpoint, list_files(checkpoint)))
+
+
+def _dump(checkpoint: str, files: dict[str, dict[str, Any]]) -> None:
+    with open(os.path.join(checkpoint, MANIFEST_NAME), "w") as f:
+        json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
 
 
 def read_manifest(checkpoint: str) -> dict[str, dict[str, Any]] | None:

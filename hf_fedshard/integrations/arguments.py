@@ -79,6 +79,10 @@ class FedShardArgumentsMixin:
         fed_auto_resume (`bool`, defaults to `False`): `train()` resumes from the newest verifying checkpoint in
             `output_dir` when there is one (and starts afresh otherwise), so that a job restarted by
             `torchrun --max-restarts=N` continues where it stopped. Needs `save_strategy="steps"` or `"epoch"`.
+        fed_async_checkpoint (`bool`, defaults to `False`): a checkpoint stops training only while each rank copies
+            its shards to host memory; DCP writes them in the background and the checkpoint is published
+            (manifest, then the rename to `checkpoint-N`) once every rank's writes are done. One save in flight at
+            most: the next waits for it (`hf_fedshard.checkpointing.background`).
 
     Transport (docs/fault_tolerance.md, "Groups that die and join"):
         fed_transport (`str`, defaults to `"mesh"`): `"mesh"`: every group in one job (one launch, one
@@ -154,6 +158,13 @@ class FedShardArgumentsMixin:
             "--max-restarts): a restarted job continues where it stopped."
         },
     )
+    fed_async_checkpoint: bool = field(
+        default=False,
+        metadata={
+            "help": "Write checkpoints in the background: training stops only while each rank copies its shards to "
+            "host memory; a checkpoint is published (manifest, rename) once every rank's writes are done."
+        },
+    )
 
     fed_transport: str = field(
         default="mesh",
@@ -206,6 +217,13 @@ class FedShardArgumentsMixin:
                 "group's other ranks (and the other groups, whose batch is the same setting) would then wait on "
                 "collectives it no longer runs. Turn --auto_find_batch_size off and set a "
                 "--per_device_train_batch_size that fits."
+            )
+        if (layout.federated or launch.federated) and self.enable_jit_checkpoint:
+            raise ConfigError(
+                "enable_jit_checkpoint saves on the step at which each rank's own SIGTERM timer fires, but a federated "
+                "checkpoint is a collective of every rank at one step: ranks would enter it at different steps. "
+                "Turn --enable_jit_checkpoint off; save often with --save_steps and --fed_async_checkpoint instead "
+                "(a checkpoint then costs a copy to host memory), and resume with --fed_auto_resume."
             )
         if self.fed_requested:
             self._check_sharding_backend()

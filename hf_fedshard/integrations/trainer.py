@@ -19,6 +19,7 @@ from transformers import Trainer
 from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
+from hf_fedshard.checkpointing.background import BackgroundCheckpointer
 from hf_fedshard.checkpointing.checkpoint import (
     check_resumable,
     check_tokenizer_matches,
@@ -91,6 +92,7 @@ class FedShardMixin(FederationMixin, CheckpointMixin, ReportingMixin, DataMixin,
         self._batches_per_epoch: int | None = None  # Trainer's steps_in_epoch (each rank's batches), if it has one
         self._resumed_position: DataPosition | None = None  # where the data resumes (the record's, not the step's)
         self._last_loss = torch.tensor(math.nan)  # a step this group does not train logs its last trained loss
+        self._checkpointer: BackgroundCheckpointer | None = None  # fed_async_checkpoint's writes, from the first save
         super().__init__(*args, **kwargs)
         if self.args.fed_evaluates_groups and (
             isinstance(self.eval_dataset, dict) or not has_length(self.eval_dataset)

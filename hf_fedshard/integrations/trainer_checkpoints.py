@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,14 +23,20 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 from hf_fedshard.checkpointing.averaging_state import save_averaging_state
+from hf_fedshard.checkpointing.background import BackgroundCheckpointer
 from hf_fedshard.checkpointing.checkpoint import (
+    StateWrite,
     atomic_checkpoint,
+    dcp_write,
     group_dir,
+    open_staging,
+    publish,
     save_group_model,
     save_group_optimizer,
     tokenizer_fingerprint,
     write_layout_record,
 )
+from hf_fedshard.checkpointing.manifest import write_manifest_alone
 from hf_fedshard.checkpointing.resume import load_on_every_rank
 from hf_fedshard.engine.payload import all_finite, model_state_tensors
 from hf_fedshard.integrations.file_modes import follow_umask
@@ -46,6 +54,7 @@ class CheckpointMixin(Trainer):
         if self.fed_callback is None:
             return super()._save_checkpoint(model, trial)
         step = self.state.global_step
+        self._end_background_save()  # at most one in flight: the previous one is published (or failed) first
         diverged = self._diverged_groups()
         if diverged:
             if self.args.should_log:
@@ -61,6 +70,8 @@ class CheckpointMixin(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         final_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         self._track_best_checkpoint(run_dir, step)
+        if self.args.fed_async_checkpoint:
+            return self._save_in_background(final_dir, run_dir)
         with atomic_checkpoint(final_dir, self.args.should_save) as staging:
             self._save_federated_state(staging)
         if self.args.push_to_hub:
@@ -72,6 +83,52 @@ class CheckpointMixin(Trainer):
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,
             )
+
+    def _save_in_background(self, final_dir: str, run_dir: str) -> None:
+        """Stage every rank's state and write the small files now; the DCP writes and the publication (manifest,
+        rename, rotation) go on in the background (`hf_fedshard.checkpointing.background`)."""
+        if self._checkpointer is None:
+            layout = self.args.fed_launch_layout
+            ranks = [list(layout.ranks_of(g)) for g in range(layout.num_groups)]
+            timeout = timedelta(seconds=self.args.ddp_timeout)
+            pinned = self.args.device.type == "cuda"
+            self._checkpointer = BackgroundCheckpointer(ranks, layout.world_size, timeout, pinned)
+        staging = open_staging(final_dir, self.args.should_save)
+        self._save_federated_state(staging)
+        publisher = None  # the writer's: every other rank only writes its shards
+        if self.args.should_save:
+            publisher = partial(self._publish_checkpoint, staging, final_dir, run_dir, self.state.best_model_checkpoint)
+        self._checkpointer.start(staging, final_dir, publisher)
+
+    def _publish_checkpoint(self, staging: str, final_dir: str, run_dir: str, best: str | None) -> None:
+        """The writer's last part of a background save, once every rank's shards are written (its thread)."""
+        write_manifest_alone(staging)
+        publish(staging, final_dir)
+        rotate_checkpoints(run_dir, self.args.save_total_limit, best, use_mtime=True)
+
+    def _end_background_save(self) -> None:
+        """Wait for the checkpoint in flight (every rank, at the same step), say the wait, push what was published."""
+        if self._checkpointer is None or self._checkpointer.current is None:
+            return
+        waited, published = self._checkpointer.wait()
+        if waited >= 1.0 and self.args.should_log:
+            logger.warning(
+                "hf_fedshard: waited %.1f s for the previous checkpoint's background write (one in flight at most); "
+                "save less often (--save_steps) to train through it.",
+                waited,
+            )
+        if published is not None and self.args.push_to_hub:
+            self._push_from_checkpoint(published)
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        # The last checkpoint is published before Trainer reloads the best one, rotates, or the run ends.
+        self._end_background_save()
+        return super()._finalize_training(*args, **kwargs)
+
+    @property
+    def _write_state(self) -> StateWrite:
+        """How this run's saves write a DCP state: now, or staged for the background (``fed_async_checkpoint``)."""
+        return dcp_write if self._checkpointer is None else self._checkpointer.write
 
     def _diverged_groups(self) -> list[int]:
         """The groups holding a NaN/Inf now; with torchft, where groups meet only in averagings, this group alone."""
@@ -93,14 +150,15 @@ class CheckpointMixin(Trainer):
     def _save_federated_state(self, checkpoint: str) -> None:
         """Everything needed to continue exactly, each group's shards in its own ``fed_group{g}`` folder."""
         group = group_dir(checkpoint, self._group_index)
-        save_group_model(self.model, os.path.join(group, "model"), self._group_pg)
+        save_group_model(self.model, os.path.join(group, "model"), self._group_pg, self._write_state)
         if not self.args.save_only_model:
             self._save_optimizer_and_scheduler(checkpoint)
             self._save_scaler(checkpoint)
             self._save_rng_state(checkpoint)
         state = self.fed_callback.averager.state_dict()
         layout = self.args.fed_launch_layout
-        save_averaging_state(checkpoint, layout, self.args.process_index, state, self.model, self._group_pg)
+        rank, group_pg = self.args.process_index, self._group_pg
+        save_averaging_state(checkpoint, layout, rank, state, self.model, group_pg, self._write_state)
         if self.args.should_save:
             read = {
                 **self._data_arithmetic,
@@ -129,7 +187,7 @@ class CheckpointMixin(Trainer):
         if self.fed_callback is None:
             return super()._save_optimizer_and_scheduler(output_dir)
         directory = os.path.join(group_dir(output_dir, self._group_index), "optimizer")
-        save_group_optimizer(self.model, self.optimizer, directory, self._group_pg)
+        save_group_optimizer(self.model, self.optimizer, directory, self._group_pg, self._write_state)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 

@@ -249,7 +249,8 @@ def test_a_restart_of_every_group_resumes_from_the_newest_step_they_all_have_the
     """2 groups × 2 ranks checkpoint every 4 steps to step 8; group 1's checkpoint-8 is lost. Restarted with
     fed_auto_resume to step 10, both resume from checkpoint-4 (the newest both have), no group heals, and step 10
     (two averagings after the resume) equals one uninterrupted job to the bit (the module's, which saves nothing).
-    Restarted again on 1 rank per group, each group resumes its checkpoint-10 (written right after the final
+    Restarted again on 1 rank per group, each group resumes its checkpoint-10 (written in the background right
+    after the final
     averaging) resharded, as mesh does: its model and anchor bit for bit, the data after the 40 samples its group
     read."""
     saves = ["--save_strategy", "steps", "--save_steps", "4"]
@@ -257,7 +258,8 @@ def test_a_restart_of_every_group_resumes_from_the_newest_step_they_all_have_the
     with lighthouse(min_groups=2) as address:
         train_groups(2, 2, out, [*TINY, "--fed_sync_steps", "4", *saves, "--max_steps", "8"], address)
         shutil.rmtree(out / "fed_group1" / "checkpoint-8")
-        resumed = train_groups(2, 2, out, [*H4_10_STEPS, *saves, "--fed_auto_resume", "true"], address)
+        background = ["--fed_auto_resume", "true", "--fed_async_checkpoint", "true"]
+        resumed = train_groups(2, 2, out, [*H4_10_STEPS, *saves, *background], address)
         again = [*TINY, "--fed_sync_steps", "4", *saves, "--max_steps", "14", "--fed_auto_resume", "true"]
         resized = train_groups(2, 1, out, [*again, "--record_resume", "true"], address)
     mesh = one_job_h4

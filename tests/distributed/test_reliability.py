@@ -6,6 +6,7 @@ shards ends elsewhere (checked by breaking each: the final parameters then diffe
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -120,18 +121,47 @@ def test_killed_rank_restarts_and_resumes_exactly(reference, tmp_path):
     assert seconds == sorted(seconds)  # the card's clock goes on across the restart
 
 
-def test_kill_while_saving_keeps_the_previous_checkpoint(reference, tmp_path):
-    """Rank 1 dies after writing its shards of checkpoint-4: no checkpoint-4; the relaunch resumes from 2."""
-    _, ref = reference
+@pytest.mark.parametrize("saves", ["synchronous", "background"])
+def test_kill_while_saving_keeps_the_previous_checkpoint(reference, tmp_path, saves):
+    """Rank 1 dies after writing its shards of checkpoint-4 (background: in the writing thread, while the others
+    train on): no checkpoint-4; the relaunch resumes from 2 and ends as the uninterrupted run. In the background,
+    both runs save so: the checkpoints they publish equal the synchronous run's, tensor for tensor, though training
+    changed the model while they were written."""
+    out, ref = reference
+    mode = ["--fed_async_checkpoint", "true"] if saves == "background" else []
     args = ["--output_dir", tmp_path, "--dump_dir", tmp_path / "dump", *SGD, *FL_FSDP_RUN, "--fed_auto_resume", "true"]
-    killed = torchrun(4, SCRIPT, [*args, "--kill_while_saving_step", "4"])
+    killed = torchrun(4, SCRIPT, [*args, *mode, "--kill_while_saving_step", "4"])
     assert killed.returncode != 0
     assert sorted(p.name for p in tmp_path.glob("*checkpoint-*")) == ["checkpoint-2", "tmp-checkpoint-4"]
     assert latest_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
-    runs = train_tiny(4, tmp_path, [*FL_FSDP_RUN, "--fed_auto_resume", "true"])
+    runs = train_tiny(4, tmp_path, [*FL_FSDP_RUN, "--fed_auto_resume", "true", *mode])
     assert [run["started_at_step"] for run in runs] == [2] * 4  # resumed between two averagings
     assert_same_run(runs, ref)
     assert not list(tmp_path.glob("tmp-*"))
+    if saves == "background":
+        assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [f"checkpoint-{s}" for s in (2, 4, 6)]
+        for step, part in itertools.product((2, 4, 6), ("fed_group0/model", "fed_group1/optimizer", "fed_outer")):
+            ours = read_dcp(tmp_path / f"checkpoint-{step}" / part, tmp_path / "dump")
+            theirs = read_dcp(out / f"checkpoint-{step}" / part, tmp_path)
+            assert_same_tree(ours, theirs, f"checkpoint-{step}/{part}")
+        last = str(tmp_path / "checkpoint-6")
+        assert checksum_problem(last, read_manifest(last), read_manifest(last)) is None
+
+
+def assert_same_tree(ours: object, theirs: object, where: str) -> None:
+    """Equal nested state (dicts, lists, tensors bit for bit, plain values)."""
+    if isinstance(theirs, dict):
+        assert isinstance(ours, dict) and sorted(ours, key=str) == sorted(theirs, key=str), where
+        for key, value in theirs.items():
+            assert_same_tree(ours[key], value, f"{where}.{key}")
+    elif isinstance(theirs, list | tuple):
+        assert isinstance(ours, list | tuple) and len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            assert_same_tree(a, b, f"{where}[{i}]")
+    elif isinstance(theirs, torch.Tensor):
+        assert torch.equal(ours, theirs), where
+    else:
+        assert ours == theirs, where
 
 
 def test_fl_hsdp_resumes_exactly_between_averagings(tmp_path):

@@ -13,7 +13,8 @@ job restarted by ``torchrun --max-restarts`` runs clean:
 
     --kill_at_step 5 --fault_rank 1            SIGKILL rank 1 as step 5 begins (--fault_group G: group G's only)
     --kill_launcher_at_step 5 --fault_rank 0   rank 0 SIGKILLs its torchrun (only) as step 5 begins
-    --kill_while_saving_step 4 --fault_rank 1  SIGKILL rank 1 after it wrote its shards of checkpoint-4
+    --kill_while_saving_step 4 --fault_rank 1  SIGKILL rank 1 after it wrote its shards of checkpoint-4 (in the
+                                               background with --fed_async_checkpoint)
     --stop_at_step 5 --fault_rank 3            SIGSTOP rank 3 as step 5 begins (prints its pid and "stopping at <time>")
     --sleep_group 1 --sleep_at_step 2          group 1 sleeps --sleep_s seconds as step 2 begins
     --slow_group 1 --slow_step_s 0.5           group 1 sleeps 0.5 s before each step it trains (a slower group)
@@ -367,7 +368,9 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
 
 
 class SaveKillingTrainer(FedShardTrainer):
-    """Test-only: SIGKILLs one rank right after it wrote its shards of one checkpoint, before it is complete."""
+    """Test-only: SIGKILLs one rank right after it wrote its shards of one checkpoint, before it is complete
+    (``fed_async_checkpoint``: in the background thread, once its model and optimizer shards are on disk, while
+    the main thread trains on)."""
 
     def __init__(self, *args, kill_step: int, kill_rank: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -375,8 +378,19 @@ class SaveKillingTrainer(FedShardTrainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if first_attempt() and self.state.global_step == self.kill_step and self.args.process_index == self.kill_rank:
+        here = self.state.global_step == self.kill_step and self.args.process_index == self.kill_rank
+        if not (here and first_attempt()):
+            return
+        if self._checkpointer is None:
             os.kill(os.getpid(), signal.SIGKILL)
+        write = self._checkpointer._write_state
+
+        def write_then_die(state: dict, directory: str) -> None:
+            write(state, directory)
+            if os.path.basename(directory) == "optimizer":
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        self._checkpointer._write_state = write_then_die
 
 
 def import_transport(argv: list[str]) -> None:

@@ -357,3 +357,13 @@ def test_trainer_refuses_an_evaluation_without_a_batch(tmp_path, monkeypatch):
     trainer = FedShardTrainer(model=llama(), args=args, eval_dataset=samples)
     with pytest.raises(ConfigError, match=r"^Evaluation dataset has 3 samples, fewer than one batch on every rank"):
         trainer.evaluate()
+
+
+def test_enable_jit_checkpoint_is_refused_in_a_federation_and_kept_without_one(tmp_path, world4_no_setup):
+    """Each rank's SIGTERM timer fires at its own moment, so its JIT save would start at a step of its own; a
+    federated checkpoint is a collective of every rank."""
+    with pytest.raises(ConfigError, match=r"^enable_jit_checkpoint saves on the step at which each rank's own") as e:
+        make_args(tmp_path, enable_jit_checkpoint=True)
+    assert "--fed_async_checkpoint" in str(e.value) and "\n" not in str(e.value)
+    one_group = FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none", enable_jit_checkpoint=True)
+    assert one_group.enable_jit_checkpoint and not one_group.fed_layout.federated

@@ -1,0 +1,114 @@
+"""`BackgroundCheckpointer`'s phases in one real gloo process: a checkpoint appears only once every rank said it
+wrote its shards, holds the state of the moment it was staged, and a failure anywhere publishes nothing and fails
+the wait (the multi-rank kill in the middle of a background save: tests/distributed/test_reliability.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from hf_fedshard.checkpointing.background import RANKS_DIR, BackgroundCheckpointer, CheckpointWriteError, Phase
+from hf_fedshard.checkpointing.checkpoint import latest_complete_checkpoint, publish
+from hf_fedshard.checkpointing.manifest import read_manifest, write_manifest_alone
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def staged_save(
+    run: Path, world_size: int = 1, timeout_s: float = 30, fail: Exception | None = None
+) -> tuple[BackgroundCheckpointer, dict, Path]:
+    """A checkpointer whose DCP writes wait for ``checkpointer.go`` (set it to let them run; ``fail``: they raise
+    it then), a model state staged into ``run/tmp-checkpoint-4/model`` and started; returns the checkpointer, the
+    live state and the final folder."""
+    checkpointer = BackgroundCheckpointer([[0]], world_size, timedelta(seconds=timeout_s), pinned=False)
+    checkpointer.go = threading.Event()
+    write = checkpointer._write_state
+
+    def held(state: dict, directory: str) -> None:
+        assert checkpointer.go.wait(30)
+        if fail is not None:
+            raise fail
+        write(state, directory)
+
+    checkpointer._write_state = held
+    staging, final = run / "tmp-checkpoint-4", run / "checkpoint-4"
+    staging.mkdir(parents=True)
+    (staging / "trainer_state.json").write_text("{}")  # a small file, written by the main thread
+    live = {"weight": torch.arange(6.0).reshape(2, 3), "step": torch.tensor(4)}
+    checkpointer.write({"model": live}, str(staging / "model"))
+
+    def publisher() -> None:
+        write_manifest_alone(str(staging))
+        publish(str(staging), str(final))
+
+    checkpointer.start(str(staging), str(final), publisher)
+    return checkpointer, live, final
+
+
+def test_a_checkpoint_appears_once_written_and_holds_the_state_it_was_staged_with(one_rank, tmp_path):
+    checkpointer, live, final = staged_save(tmp_path)
+    live["weight"].add_(100.0)  # training goes on while the write waits
+    assert latest_complete_checkpoint(tmp_path) is None and not final.exists()
+    checkpointer.go.set()
+    waited, published = checkpointer.wait()
+    assert published == str(final) and latest_complete_checkpoint(tmp_path) == str(final)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
+    assert sorted(read_manifest(str(final))) == ["model/.metadata", "model/__0_0.distcp", "trainer_state.json"]
+    dcp_to_torch_save(final / "model", tmp_path / "saved.pt")
+    saved = torch.load(tmp_path / "saved.pt")["model"]
+    assert torch.equal(saved["weight"], torch.arange(6.0).reshape(2, 3)) and saved["step"].item() == 4
+    assert checkpointer.waited_s == waited and checkpointer.wait()[1] is None  # nothing in flight any more
+
+
+def test_the_writer_publishes_only_once_every_rank_said_it_wrote(one_rank, tmp_path):
+    """World of 2 seen from rank 0 (the writer): rank 1's mark is what the publication waits for."""
+    checkpointer, _, final = staged_save(tmp_path, world_size=2)
+    checkpointer.go.set()
+    marks = tmp_path / "tmp-checkpoint-4" / RANKS_DIR
+    while not (marks / "rank0.written").exists():
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert checkpointer.current.phase is Phase.WRITTEN and not final.exists()
+    (marks / "rank1.written").write_text("")
+    assert checkpointer.wait()[1] == str(final)
+    assert not (final / RANKS_DIR).exists() and RANKS_DIR not in str(read_manifest(str(final)))
+
+
+@pytest.mark.parametrize("fault", ["write raises", "another rank failed", "another rank silent"])
+def test_a_failed_save_publishes_nothing_and_fails_the_wait_in_one_line(one_rank, tmp_path, fault):
+    raises = OSError("No space left on device") if fault == "write raises" else None
+    checkpointer, _, final = staged_save(tmp_path, world_size=1 if raises else 2, timeout_s=1, fail=raises)
+    marks = tmp_path / "tmp-checkpoint-4" / RANKS_DIR
+    expected = {
+        "write raises": "its background write failed: No space left on device.",
+        "another rank failed": "its background write failed: a background write failed (rank1: OSError: quota)",
+        "another rank silent": "its background write failed: 1 of 2 ranks wrote their shards within 1 s.",
+    }[fault]
+    if fault == "another rank failed":
+        marks.mkdir()
+        (marks / "rank1.failed").write_text("OSError: quota")
+    checkpointer.go.set()
+    with pytest.raises(CheckpointWriteError, match=r"^checkpoint-4 was not published: ") as raised:
+        checkpointer.wait()
+    assert expected in str(raised.value) and "\n" not in str(raised.value)
+    assert not final.exists() and latest_complete_checkpoint(tmp_path) is None
+    reason = (marks / "rank0.failed").read_text()  # what the writer (and a reader of the folder) learns
+    assert reason.split(": ", 1)[1] in str(raised.value)
