@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import statistics
 import time
@@ -153,16 +154,22 @@ def train(cfg: StreamQualityConfig, name: str, seed: int, data: Path, work: Path
     mean, as Trainer logs it), its wall time."""
     bench = cfg.bench(seed)
     run_dir = work / f"{name.replace('+', '_').replace(' ', '_')}-s{seed}"
-    start = time.monotonic()
     args = [*shared_args(bench), "--logging_steps", "1", *variant_args(name, bench)]  # the train loss of every step
+    kept = run_dir / "run.json"  # a finished run under --work, kept so that a long study can go on where it stopped
+    if kept.exists() and (run := json.loads(kept.read_text()))["args"] == args:
+        print(f"  {name:<20} seed {seed}: kept from {kept}", flush=True)
+        return run["run"]
+    start = time.monotonic()
     record = train_on_localhost(bench.world_size, args, data, run_dir, cfg.timeout_s, niceness=NICENESS)
     wall_s = time.monotonic() - start
     evals = [[e["step"], e["eval_loss"]] for e in record["evals"]]
     print(f"  {name:<20} seed {seed}: eval ppl at step {evals[-1][0]} {math.exp(evals[-1][1]):.1f} ({wall_s:.0f} s)",
           flush=True)  # fmt: skip
     train_loss = [[e["step"], e["loss"]] for e in record["log_history"] if "loss" in e]
-    return {"variant": name, "seed": seed, "evals": evals, "train_loss": train_loss, "wall_s": round(wall_s, 1),
-            "bytes_per_averaging": bytes_per_averaging(record["log_history"])}  # fmt: skip
+    run = {"variant": name, "seed": seed, "evals": evals, "train_loss": train_loss, "wall_s": round(wall_s, 1),
+           "bytes_per_averaging": bytes_per_averaging(record["log_history"])}  # fmt: skip
+    kept.write_text(json.dumps({"args": args, "run": run}))
+    return run
 
 
 def bytes_per_averaging(log_history: list[dict]) -> float | None:
