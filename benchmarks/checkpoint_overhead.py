@@ -1,39 +1,71 @@
-"""What a federated checkpoint costs: seconds to save and to load it back, bytes on disk, next to a training step.
+"""What a federated checkpoint costs training: the stall per save, synchronous and in the background, side by side.
 
-FL+FSDP on 4 CPU processes (2 groups × 2 ranks), the Quickstart's tiny Llama, AdamW, a checkpoint every 4 steps:
+FL+FSDP on 4 CPU processes (2 groups × 2 ranks), AdamW, a checkpoint every ``--save-steps`` steps, on the Quickstart's
+tiny Llama and on SmolLM2-135M's architecture (random weights: a checkpoint's cost depends on the sizes only). Each
+repetition runs every model synchronously and with ``--fed_async_checkpoint true``, one after the other, so that the
+ratios are measured side by side. Reported, median (range) over the repetitions:
 
-    torchrun --nproc_per_node 4 benchmarks/checkpoint_overhead.py --output_dir /tmp/ckpt_overhead \
-        --fed_group_size 2 --model_size tiny --max_steps 12 --save_steps 4
+- the **stall per checkpoint**: the seconds the training loop spends in a save (the slowest rank's, per save: a
+  synchronous save ends with a barrier; a background one stages to host memory, writes the small files, and waits for
+  the previous save if it has not finished); its ratio background / synchronous, paired within each repetition;
+- **tokens/s** of the steps trained while a background write runs (it shares the 2 cores), beside the steps of the
+  synchronous run (none runs there);
+- the **peak host memory** of a rank (``ru_maxrss``, the largest rank), and what the background save adds to it (its
+  staged copies);
+- the seconds to load a checkpoint back and its bytes on disk.
 
-The test suite's micro model: ``--model_size micro --vocab_size 128``; FL+HSDP: 8 processes and
-``--fed_group_size 4 --fed_shard_size 2``. Rank 0 prints one JSON line: the mean and max seconds of a save (as
-the slowest rank sees it: the publishing rename waits for every rank), the seconds to load model and optimizer
-state back, the bytes of the last checkpoint split into model shards, optimizer state and the rest, and the mean
-seconds of a training step. Data are random tokens: only the sizes matter here.
+    python -m benchmarks.checkpoint_overhead --quick     # tiny only, 1 repetition
+    python -m benchmarks.checkpoint_overhead             # tiny and SmolLM2-135M, 3 repetitions
+
+One launch by hand, from the clone's root (every rank's figures as one JSON line from rank 0), as the study runs it:
+
+    torchrun --nproc_per_node 4 -m benchmarks.checkpoint_overhead --output_dir /tmp/ckpt_overhead \\
+        --fed_group_size 2 --model_size tiny --max_steps 24 --save_steps 4 [--fed_async_checkpoint true]
+
+Data are random tokens: only the sizes matter here.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, HfArgumentParser, TrainerCallback, set_seed
+import torch.distributed as dist
+from transformers import HfArgumentParser, TrainerCallback, set_seed
 
+from benchmarks.harness import process_tree
+from benchmarks.harness.report import median_range, run_record_lines, spread, table_head
+from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite, validated
 from hf_fedshard import FedShardTrainer, FedShardTrainingArguments
 from hf_fedshard.checkpointing.checkpoint import latest_complete_checkpoint
-from hf_fedshard.tools.models import PRESETS, llama_config
+from hf_fedshard.integrations.resume_source import checkpoint_source
+from hf_fedshard.tools.models import PRESETS, SMOLLM2, build_model, smollm2_folder
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {"tiny": ["--model_size", "tiny"], "smollm2-135m": ["--model_name_or_path", SMOLLM2]}
+MODES = {"synchronous": [], "background": ["--fed_async_checkpoint", "true"]}
+TARGET_STALL_RATIO = 0.10  # issue 43: a background checkpoint stalls training ≤ 10% of the synchronous save's time
+
+
+# ---- one launch (under torchrun) ----
 
 
 @dataclass
 class BenchArguments:
     model_size: str = field(default="tiny", metadata={"help": "Llama preset.", "choices": list(PRESETS)})
-    vocab_size: int = field(default=8192, metadata={"help": "Vocabulary size (8192: the Quickstart's BPE)."})
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": f"A model's architecture instead of a preset ({SMOLLM2}: SmolLM2-135M's)."}
+    )
+    vocab_size: int = field(default=8192, metadata={"help": "Vocabulary size of a preset (8192: the Quickstart's)."})
     block_size: int = field(default=128, metadata={"help": "Tokens per sample."})
     num_samples: int = field(default=1024, metadata={"help": "Random-token training samples."})
 
@@ -53,21 +85,23 @@ class RandomTokens(torch.utils.data.Dataset):
 
 
 class StepClock(TrainerCallback):
-    """Seconds of each optimizer step, averaging included, checkpoints excluded (they happen after on_step_end)."""
+    """Seconds of each optimizer step (averaging included, checkpoints excluded: they come after on_step_end), and
+    whether a background checkpoint write was running when it began."""
 
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self._start = 0.0
+    def __init__(self, trainer: FedShardTrainer) -> None:
+        self.trainer, self.steps, self._start, self._writing = trainer, [], 0.0, False
 
     def on_step_begin(self, args, state, control, **kwargs):
+        save = self.trainer._checkpointer.current if self.trainer._checkpointer is not None else None
+        self._writing = save is not None and save.thread is not None and save.thread.is_alive()
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.seconds.append(time.perf_counter() - self._start)
+        self.steps.append({"seconds": time.perf_counter() - self._start, "writing": self._writing})
 
 
 class TimedTrainer(FedShardTrainer):
-    """Records the wall time of every checkpoint save."""
+    """Records the seconds the training loop spends in each checkpoint save."""
 
     save_seconds: list[float]
 
@@ -93,43 +127,189 @@ def checkpoint_bytes(checkpoint: Path) -> dict[str, int]:
 def load_seconds(trainer: FedShardTrainer, checkpoint: str) -> float:
     """Seconds to read model and optimizer state back (what a resume adds before its first step)."""
     start = time.perf_counter()
-    trainer._load_from_checkpoint(checkpoint, trainer.model)
-    trainer._load_optimizer_and_scheduler(checkpoint)
+    args = trainer.args
+    source = checkpoint_source(checkpoint, args.fed_launch_layout, trainer._group_index, args.process_index)
+    trainer._load_from_checkpoint(source, trainer.model)
+    trainer._load_optimizer_and_scheduler(source)
     return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> dict:
+def launch_main(argv: list[str] | None = None) -> dict:
+    """One launch: train with checkpoints, then print every rank's figures as one JSON line from rank 0."""
     parser = HfArgumentParser((BenchArguments, FedShardTrainingArguments))
-    parser.set_defaults(save_strategy="steps", save_steps=4, max_steps=12, optim="adamw_torch", report_to=["none"],
+    parser.set_defaults(save_strategy="steps", save_steps=4, max_steps=24, optim="adamw_torch", report_to=["none"],
                         logging_steps=1000, disable_tqdm=True, per_device_train_batch_size=2)  # fmt: skip
     bench, args = parser.parse_args_into_dataclasses(argv)
     set_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(llama_config(bench.model_size, bench.vocab_size, bench.block_size))
-    trainer = TimedTrainer(
-        model=model, args=args, train_dataset=RandomTokens(bench.num_samples, bench.block_size, bench.vocab_size)
-    )
+    path = str(smollm2_folder()) if bench.model_name_or_path == SMOLLM2 else bench.model_name_or_path
+    model = build_model(bench.model_size, bench.vocab_size, bench.block_size, path)
+    data = RandomTokens(bench.num_samples, bench.block_size, model.config.vocab_size)
+    trainer = TimedTrainer(model=model, args=args, train_dataset=data)
     trainer.save_seconds = []
-    clock = StepClock()
+    clock = StepClock(trainer)
     trainer.add_callback(clock)
     trainer.train()
     checkpoint = latest_complete_checkpoint(args.output_dir)
-    result = {
-        "layout": trainer.fed_layout.describe(),
-        "model_size": bench.model_size,
-        "parameters": model.num_parameters(),
-        "saves": len(trainer.save_seconds),
-        "save_seconds_mean": round(statistics.mean(trainer.save_seconds), 4),
-        "save_seconds_max": round(max(trainer.save_seconds), 4),
-        "load_seconds": round(load_seconds(trainer, checkpoint), 4),
-        "step_seconds_mean": round(statistics.mean(clock.seconds[1:]), 4),  # the first step includes warm-up
-        **checkpoint_bytes(Path(checkpoint)),
-        "command": " ".join(["torchrun", f"--nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')}",
-                             "benchmarks/checkpoint_overhead.py", *(sys.argv[1:] if argv is None else argv)]),
-    }  # fmt: skip
+    mine = {
+        "save_seconds": trainer.save_seconds,
+        "waited_seconds": trainer._checkpointer.waited_s if trainer._checkpointer is not None else 0.0,
+        "steps": clock.steps,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: kilobytes
+        "staged_bytes": trainer._checkpointer.staged_bytes if trainer._checkpointer is not None else 0,
+        "load_seconds": load_seconds(trainer, checkpoint),
+    }
+    ranks: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    result = {"parameters": model.num_parameters(), "tokens_per_step": bench.block_size * args.world_size
+              * args.per_device_train_batch_size * args.gradient_accumulation_steps, "ranks": ranks,
+              **checkpoint_bytes(Path(checkpoint))}  # fmt: skip
     if args.process_index == 0:
-        print(json.dumps(result), flush=True)
+        print("RESULT " + json.dumps(result), flush=True)
     return result
 
 
+# ---- the study ----
+
+
+@dataclass
+class OverheadConfig:
+    models: tuple[str, ...] = ("tiny", "smollm2-135m")
+    repeats: int = 3
+    max_steps: int = 24
+    save_steps: int = 4
+    timeout_s: float = 900.0
+
+    def validate(self) -> None:
+        if self.repeats < 1 or self.save_steps < 1 or self.max_steps < 2 * self.save_steps:
+            raise ValueError(f"--repeats={self.repeats} ≥ 1 and --max-steps={self.max_steps} ≥ 2 × --save-steps="
+                             f"{self.save_steps} (a background save must have steps to train through).")  # fmt: skip
+
+
+def launch(cfg: OverheadConfig, model: str, mode: str, work: Path, repeat: int) -> dict:
+    """One torchrun of this file; its JSON result."""
+    out = work / f"{model}-{mode}-{repeat}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", __spec__.name,
+           "--output_dir", str(out), "--fed_group_size", "2", "--max_steps", str(cfg.max_steps), "--save_steps",
+           str(cfg.save_steps), *MODELS[model], *MODES[mode]]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    done = process_tree.run(cmd, cfg.timeout_s, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if done.returncode or line is None:
+        raise RuntimeError(f"{model} {mode} failed (exit {done.returncode}):\n{done.stdout[-4000:]}")
+    return {"model": model, "mode": mode, "repeat": repeat, **json.loads(line[len("RESULT ") :])}
+
+
+def figures(run: dict) -> dict:
+    """One launch's figures: the slowest rank's stall of each save, tokens/s with and without a write running,
+    the largest rank's peak memory."""
+    ranks = run["ranks"]
+    stalls = [max(r["save_seconds"][i] for r in ranks) for i in range(len(ranks[0]["save_seconds"]))]
+    steps = [max(r["steps"][i]["seconds"] for r in ranks) for i in range(1, len(ranks[0]["steps"]))]  # no warm-up
+    writing = [any(r["steps"][i]["writing"] for r in ranks) for i in range(1, len(ranks[0]["steps"]))]
+
+    def tokens_s(flag: bool) -> float | None:
+        chosen = [s for s, w in zip(steps, writing, strict=True) if w == flag]
+        return run["tokens_per_step"] / statistics.mean(chosen) if chosen else None
+
+    return {"stall_s": statistics.mean(stalls), "stall_max_s": max(stalls), "tokens_s_writing": tokens_s(True),
+            "tokens_s_quiet": tokens_s(False), "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
+            "waited_s": max(r["waited_seconds"] for r in ranks), "load_s": max(r["load_seconds"] for r in ranks),
+            "staged_bytes": max(r["staged_bytes"] for r in ranks),
+            "total_bytes": run["total_bytes"], "parameters": run["parameters"]}  # fmt: skip
+
+
+def summarize(runs: list[dict], cfg: dict) -> dict:
+    """Per model: each mode's figures as spreads over the repetitions, and the paired background/synchronous ratios."""
+    out = {}
+    for model in cfg["models"]:
+        by = {(r["mode"], r["repeat"]): figures(r) for r in runs if r["model"] == model}
+        repeats = sorted({k[1] for k in by})
+        modes = {}
+        for mode in MODES:
+            rows = [by[(mode, i)] for i in repeats if (mode, i) in by]
+            known = [k for k in rows[0] if all(row[k] is not None for row in rows)]  # tokens/s of no write: sync
+            modes[mode] = {k: spread([row[k] for row in rows]) for k in known}
+        pairs = [(by[("background", i)], by[("synchronous", i)]) for i in repeats]
+        ratio = spread([b["stall_s"] / s["stall_s"] for b, s in pairs])
+        out[model] = {
+            "modes": modes,
+            "stall_ratio": ratio,
+            "added_peak_rss_bytes": spread([b["peak_rss_bytes"] - s["peak_rss_bytes"] for b, s in pairs]),
+            "target": {"stall_ratio_at_most": TARGET_STALL_RATIO, "met": ratio["median"] <= TARGET_STALL_RATIO},
+        }
+    return out
+
+
+COLUMNS = [
+    "model",
+    "save",
+    "stall per checkpoint (s)",
+    "background / synchronous",
+    "tokens/s, write running",
+    "tokens/s, no write",
+    "peak rank memory (MB)",
+    "staged per rank (MB)",
+    "load (s)",
+    "checkpoint (MB)",
+]
+
+
+def _row(model: str, mode: str, m: dict, ratio: dict) -> str:
+    background = mode == "background"
+    cells = [model, mode, median_range(m["stall_s"], ".3f"), median_range(ratio, ".3f") if background else "",
+             median_range(m.get("tokens_s_writing"), ".0f"), median_range(m.get("tokens_s_quiet"), ".0f"),
+             median_range(m["peak_rss_bytes"], ".0f", 1e-6),
+             median_range(m["staged_bytes"], ".1f", 1e-6) if background else "", median_range(m["load_s"]),
+             median_range(m["total_bytes"], ".0f", 1e-6)]  # fmt: skip
+    return f"| {' | '.join(cells)} |"
+
+
+def markdown(results: dict) -> str:
+    cfg = results["config"]
+    caption = (
+        f"Checkpoint cost, FL+FSDP 2 groups × 2 ranks on CPU, a checkpoint every {cfg['save_steps']} of "
+        f"{cfg['max_steps']} steps, median (range) over {cfg['repeats']} repetition(s), both modes in each:"
+    )
+    lines = table_head(caption, COLUMNS, "ll" + "r" * (len(COLUMNS) - 2))
+    for model, summary in results["summary"].items():
+        lines += [_row(model, mode, m, summary["stall_ratio"]) for mode, m in summary["modes"].items()]
+    lines.append("")
+    for model, summary in results["summary"].items():
+        met = "met" if summary["target"]["met"] else "not met"
+        lines.append(f"- {model}: a background checkpoint stalls training {median_range(summary['stall_ratio'], '.3f')}"
+                     f" × the synchronous save's time (target ≤ {TARGET_STALL_RATIO}: {met}); its staged copies add "
+                     f"{median_range(summary['added_peak_rss_bytes'], '.0f', 1e-6)} MB to the largest rank's peak "
+                     "memory.")  # fmt: skip
+    return "\n".join(lines + run_record_lines(results))
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = new_parser(__doc__)
+    p.add_argument("--quick", action="store_true", help="tiny only, 1 repetition.")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), help="Default: all (quick: tiny).")
+    p.add_argument("--repeats", type=int, help="Repetitions, every model and mode in each (default 3; quick 1).")
+    p.add_argument("--max-steps", type=int, default=24)
+    p.add_argument("--save-steps", type=int, default=4)
+    add_folder_options(p, "checkpoint_overhead", work="the launches' checkpoints", report_only="table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    study = Study("checkpoint_overhead", make_parser(), argv)
+    if study.args.report_only:
+        return rewrite(study.args.report_only, lambda r: summarize(r["runs"], r["config"]), markdown)
+    a = study.args
+    cfg = validated(OverheadConfig(tuple(a.models or (["tiny"] if a.quick else MODELS)), a.repeats or (1 if a.quick
+                                   else 3), a.max_steps, a.save_steps))  # fmt: skip
+    with study.running() as work:
+        runs = [launch(cfg, model, mode, work, i) for i in range(cfg.repeats) for model in cfg.models for mode in MODES]
+    results = {"config": asdict(cfg), "runs": runs}
+    results["summary"] = summarize(runs, results["config"])
+    return study.finish(results, markdown)
+
+
 if __name__ == "__main__":
-    main()
+    if "LOCAL_RANK" in os.environ:  # a rank of a torchrun launch
+        launch_main()
+    else:
+        raise SystemExit(main())

@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.tensor import DTensor
 
 RANKS_DIR = ".ranks"
 _POLL_S = 0.05
@@ -93,13 +94,16 @@ class BackgroundCheckpointer:
         self._pending: list[tuple[dict[str, Any], str]] = []
         self.current: BackgroundSave | None = None
         self.waited_s = 0.0
+        self.staged_bytes = 0  # host memory the copies of the last save take (this rank's)
 
     def write(self, state: dict[str, Any], directory: str, group: ProcessGroup | None = None) -> None:
         """Stage ``state`` (copy it to host memory) for `start` to write into ``directory``; the save functions' DCP
         write (``group``, the main thread's, is replaced by this checkpointer's own group of the same ranks)."""
         key = os.path.basename(directory)  # model, optimizer, feedback, fed_outer: one pinned copy each
         stager = self._stagers.setdefault(key, BlockingAsyncStager(cache_staged_state_dict=self._pinned))
-        self._pending.append((stager.stage(state), directory))
+        staged = stager.stage(state)
+        self._pending.append((staged, directory))
+        self.staged_bytes = sum(_tensor_bytes(s) for s, _ in self._pending)
 
     def start(self, staging: str, final_dir: str, publish: Callable[[], None] | None) -> None:
         """Write the staged states in a background thread, then publish (``publish``: the writer's)."""
@@ -168,6 +172,18 @@ class BackgroundCheckpointer:
                 "(space, permissions), or save synchronously (leave --fed_async_checkpoint off)."
             )
         return waited, (save.final_dir if save is not None and save.phase is Phase.PUBLISHED else None)
+
+
+def _tensor_bytes(state: Any) -> int:
+    """Bytes of every tensor in a (nested) staged state: its host copy's size."""
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_tensor_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if isinstance(state, DTensor) else state
+        return local.numel() * local.element_size()
+    return 0
 
 
 def _mark(marks: str, rank: int, phase: Phase, text: str = "") -> None:
