@@ -30,8 +30,11 @@ from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.timeouts import start_world_process_group
 from hf_fedshard.launch_guard import check_restart_store, setup_deadline, watch_launcher
 from hf_fedshard.notices import notice as _notice
+from hf_fedshard.startup import moment, phase
 from hf_fedshard.topology import FederationLayout, parse_group_size
 from hf_fedshard.transports import TRANSPORTS, GroupLaunch, OneJob, get_transport, settings_owners
+
+moment("imports done")  # a script imports this before it parses its arguments: the start-up line's first phase
 
 
 def averaging_setting(name: str) -> Any:
@@ -252,11 +255,12 @@ class FedShardArgumentsMixin:
     def _setup_devices(self) -> torch.device:
         # Transformers' use_cpu set-up leaves ddp_timeout out of the world process group: create it first, within a
         # deadline; and watch the launcher from here on (hf_fedshard.launch_guard).
-        check_restart_store()
-        watch_launcher()
-        with setup_deadline():
-            start_world_process_group(self)
-            return super()._setup_devices
+        with phase("arguments and process groups"):
+            check_restart_store()
+            watch_launcher()
+            with setup_deadline():
+                start_world_process_group(self)
+                return super()._setup_devices
 
     @property
     def fed_exchange_timeout_s(self) -> float:

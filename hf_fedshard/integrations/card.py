@@ -26,6 +26,7 @@ from huggingface_hub import EvalResult, ModelCard
 from transformers import TrainerCallback, TrainerState
 
 from hf_fedshard.engine.settings_history import History, describe_history
+from hf_fedshard.startup import first_step_done, moment
 
 if TYPE_CHECKING:
     from hf_fedshard.engine.fragments import Schedule
@@ -58,9 +59,13 @@ class TrainingClock(TrainerCallback):
         self._start: float | None = None  # entries logged before training (an evaluation) are at 0 s
 
     def on_train_begin(self, args, state, control, **kwargs):
+        moment("train begin")
         resumed = state.global_step > 0
         stamps = [e[WALL_SECONDS] for e in state.log_history if WALL_SECONDS in e and e["step"] <= state.global_step]
         self._start = time.perf_counter() - (stamps[-1] if resumed and stamps else 0.0)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        first_step_done()  # the start-up line (hf_fedshard.startup), once
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.log_history:

@@ -41,6 +41,7 @@ from hf_fedshard.integrations.trainer_federation import FederationMixin
 from hf_fedshard.integrations.trainer_reporting import ReportingMixin
 from hf_fedshard.integrations.trainer_steps import GroupStepsMixin
 from hf_fedshard.notices import notice
+from hf_fedshard.startup import moment, phase
 from hf_fedshard.topology import FederationLayout
 from hf_fedshard.transports import Federation
 from hf_fedshard.transports.mesh import destroy_gloo_groups_at_exit
@@ -80,6 +81,11 @@ class FedShardMixin(FederationMixin, CheckpointMixin, ReportingMixin, DataMixin,
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        moment("trainer")
+        with phase("trainer set-up"):
+            self._set_up(*args, **kwargs)
+
+    def _set_up(self, *args: Any, **kwargs: Any) -> None:
         # Only plain attributes before Trainer.__init__: a subclass may not have resolved the model or args yet.
         self.fed_mesh: DeviceMesh | None = None
         self.fed_callback: FedAvgCallback | None = None
@@ -142,7 +148,8 @@ class FedShardMixin(FederationMixin, CheckpointMixin, ReportingMixin, DataMixin,
             self.fed_resume = checkpoint_source(checkpoint, layout, self._group_index, rank)
             self.fed_resume.check(self.args.max_steps)
         if self.fed_federation is not None:
-            self.fed_resume = self._join_federation(self.fed_resume)
+            with phase("quorum and heal"):
+                self.fed_resume = self._join_federation(self.fed_resume)
         try:
             with explain_stalled_collectives(lambda: self.state.global_step, self.args.ddp_timeout):
                 # a federated run's source reaches Trainer's loop in _inner_training_loop, not as a folder
@@ -182,6 +189,7 @@ class FedShardMixin(FederationMixin, CheckpointMixin, ReportingMixin, DataMixin,
     def _inner_training_loop(self, *args: Any, **kwargs: Any):
         # Trainer.train reads a resume's trainer_state.json from a folder before this; a live peer sends its own, so
         # a federated run's ResumeSource is handed to the loop here, whose loading hooks take it.
+        moment("loop")  # from here to the first step: FSDP's set-up and the state's load (hf_fedshard.startup)
         if self.fed_resume is not None:
             kwargs["resume_from_checkpoint"] = self.fed_resume
         return super()._inner_training_loop(*args, **kwargs)

@@ -41,6 +41,7 @@ from hf_fedshard.checkpointing.resume import load_on_every_rank
 from hf_fedshard.engine.payload import all_finite, model_state_tensors
 from hf_fedshard.integrations.file_modes import follow_umask
 from hf_fedshard.integrations.resume_source import ResumeSource, checkpoint_source
+from hf_fedshard.startup import phase
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +203,8 @@ class CheckpointMixin(Trainer):
             source.load_model(model, self._group_pg)
             self.fed_callback.load_state_dict(source.averaging_state(model, self._group_pg), source.committed)
 
-        load_on_every_rank(str(source), load)
+        with phase("state load (checkpoint or peer)"):
+            load_on_every_rank(str(source), load)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
         # Each group reads its own optimizer state from its ResumeSource (a live peer's: none, it starts afresh).
@@ -214,7 +216,8 @@ class CheckpointMixin(Trainer):
             if (schedule := checkpoint.scheduler_state()) is not None:
                 self.lr_scheduler.load_state_dict(schedule)
 
-        load_on_every_rank(str(checkpoint), load)
+        with phase("state load (checkpoint or peer)"):
+            load_on_every_rank(str(checkpoint), load)
         checkpoint.release()  # Trainer loads nothing more from it that it holds in memory
 
     def _load_scaler(self, checkpoint: Any) -> None:

@@ -280,5 +280,10 @@ def test_a_restart_of_every_group_resumes_from_the_newest_step_they_all_have_the
             assert torch.equal(value, model[name]) and torch.equal(run["resumed"]["anchor"][name], anchor[name]), name
         line = re.search(r"hf_fedshard: resuming step 10 of (.*)", run["stdout"]).group(1)
         assert "world batch goes from 4 to 2 samples per step; epoch 0 resumes after its first 40 samples" in line
+        startup = re.search(r"hf_fedshard: start-up ([\d.]+) s to the first trained step: (.*)", run["stdout"])
+        phases = dict(part.rsplit(" ", 2)[:2] for part in startup.group(2).split(", "))
+        assert {"interpreter and imports", "quorum and heal", "state load (checkpoint or peer)", "first step"} <= set(
+            phases
+        ) and sum(map(float, phases.values())) == pytest.approx(float(startup.group(1)), abs=0.5), startup.group(0)
     for name, value in resized[0][0]["full_params"].items():  # the resized groups end on one global model
         assert torch.equal(value, resized[1][0]["full_params"][name]), name
