@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from transformers import TrainerControl, TrainerState
 
+from benchmarks import checkpoint_overhead as co
 from benchmarks import goodput, overhead, overlap, pretrained, quality, scaling
 from benchmarks import layout_change as lc
 from benchmarks import speed_rounds as sr
@@ -843,3 +844,30 @@ def test_goodput_targets_hold_each_torchft_path_to_its_own_runs_and_its_tokens_t
     alone = goodput.targets([r for r in rows if r["path"] != "torchft"], replace(cfg, paths=("torchft-overlap-int8",)))
     assert alone and not any("tokens/s" in t["target"] for t in alone)  # no blocking path to compare with
     assert goodput.elastic("torchft-overlap-int8") and not goodput.elastic("mesh")
+
+
+def test_checkpoint_overhead_takes_the_slowest_rank_per_save_and_pairs_the_modes_per_repetition():
+    def run(mode: str, repeat: int, saves: list[list[float]], writing: bool) -> dict:
+        steps = [{"seconds": 9.0, "writing": False}, *({"seconds": 0.5, "writing": writing} for _ in range(2)),
+                 {"seconds": 0.25, "writing": False}]  # fmt: skip
+        ranks = [{"save_seconds": s, "waited_seconds": 0.0, "steps": steps, "peak_rss_bytes": 2e9 + 1e8 * (mode ==
+                  "background"), "staged_bytes": 5e7, "load_seconds": 0.1} for s in saves]  # fmt: skip
+        return {"model": "tiny", "mode": mode, "repeat": repeat, "tokens_per_step": 1000, "ranks": ranks,
+                "total_bytes": 7e7, "parameters": 2.8e6}  # fmt: skip
+
+    runs = [
+        run("synchronous", 0, [[1.0, 2.0], [1.5, 1.0]], False),
+        run("background", 0, [[0.1, 0.2], [0.3, 0.1]], True),
+        run("synchronous", 1, [[2.0, 2.0], [1.0, 1.0]], False),
+        run("background", 1, [[0.1, 0.1], [0.1, 0.1]], True),
+    ]
+    summary = co.summarize(runs, {"models": ["tiny"]})["tiny"]
+    # slowest rank per save, then the mean: 1.75 s and 0.25 s in repetition 0; 2.0 s and 0.1 s in repetition 1
+    assert summary["modes"]["synchronous"]["stall_s"] == {"median": 1.875, "min": 1.75, "max": 2.0, "n": 2}
+    assert summary["stall_ratio"] == {"median": (0.25 / 1.75 + 0.05) / 2, "min": 0.05, "max": 0.25 / 1.75, "n": 2}
+    assert summary["modes"]["background"]["tokens_s_writing"]["median"] == 2000.0  # the first step is warm-up
+    assert summary["modes"]["background"]["tokens_s_quiet"]["median"] == 4000.0
+    assert "tokens_s_writing" not in summary["modes"]["synchronous"]  # no write runs between its steps
+    assert summary["added_peak_rss_bytes"]["median"] == 1e8 and summary["target"]["met"] is True  # 0.096 ≤ 0.10
+    table = co.markdown({"config": {"save_steps": 4, "max_steps": 24, "repeats": 2}, "summary": {"tiny": summary}})
+    assert "| tiny | background | 0.175 (0.100–0.250) | 0.096 (0.050–0.143) | 2000 | 4000 | 2100 | 50.0 |" in table
