@@ -243,6 +243,8 @@ class FedShardArgumentsMixin:
             self.average_tokens_across_devices = False
         super().__post_init__()
         launch.check_training(self)
+        if self.fed_async_checkpoint and not (layout.federated or launch.federated):
+            _notice("fed_async_checkpoint has no effect with one federation group: Trainer writes its own checkpoints")
         if self.fed_eval_per_group and not self.fed_evaluates_groups:
             _notice(
                 "fed_eval_per_group has no effect %s",

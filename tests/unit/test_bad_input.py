@@ -262,6 +262,14 @@ def test_fed_eval_per_group_without_effect_says_why(
         assert notice in caplog.text
 
 
+@pytest.mark.parametrize(("group_size", "says"), [(4, True), (2, False)])
+def test_fed_async_checkpoint_with_one_group_says_it_has_no_effect(tmp_path, world4_no_setup, caplog, group_size, says):
+    with caplog.at_level(logging.WARNING, logger="hf_fedshard"):
+        FedShardTrainingArguments(output_dir=str(tmp_path), report_to="none", fed_group_size=group_size,
+                                  fed_async_checkpoint=True)  # fmt: skip
+    assert ("fed_async_checkpoint has no effect with one federation group" in caplog.text) == says
+
+
 def test_one_group_refuses_a_federated_checkpoint(tmp_path, monkeypatch):
     """In-process, one rank without fed settings: the same one-line refusal, not Transformers' "Can't find"."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
