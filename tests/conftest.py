@@ -8,7 +8,10 @@ test-fast`), ``tests/distributed/`` launches ranks (torchrun, ``accelerate launc
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+import torch.distributed as dist
 from transformers import TrainingArguments
 
 from .launch import train_tiny
@@ -68,3 +71,13 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for nodeid, seconds in sorted(_seconds_by_test.items(), key=lambda item: -item[1]):
         if seconds > LONG_TEST_S:
             terminalreporter.write_line(f"over {LONG_TEST_S} s ({seconds:.0f} s; its docstring says why): {nodeid}")
+
+
+@pytest.fixture
+def group_of_one_rank() -> Iterator[None]:
+    """A real one-rank gloo world in this process: what a heal agrees over, a background checkpoint all-reduces on."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -7,13 +7,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from hf_fedshard.checkpointing.background import RANKS_DIR, BackgroundCheckpointer, CheckpointWriteError, Phase
@@ -21,15 +19,6 @@ from hf_fedshard.checkpointing.checkpoint import latest_complete_checkpoint, pub
 from hf_fedshard.checkpointing.manifest import read_manifest, write_manifest_alone
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def staged_save(
@@ -63,7 +52,7 @@ def staged_save(
     return checkpointer, live, final
 
 
-def test_a_checkpoint_appears_once_written_and_holds_the_state_it_was_staged_with(one_rank, tmp_path):
+def test_a_checkpoint_appears_once_written_and_holds_the_state_it_was_staged_with(group_of_one_rank, tmp_path):
     checkpointer, live, final = staged_save(tmp_path)
     live["weight"].add_(100.0)  # training goes on while the write waits
     assert latest_complete_checkpoint(tmp_path) is None and not final.exists()
@@ -78,7 +67,7 @@ def test_a_checkpoint_appears_once_written_and_holds_the_state_it_was_staged_wit
     assert checkpointer.waited_s == waited and checkpointer.wait()[1] is None  # nothing in flight any more
 
 
-def test_the_writer_publishes_only_once_every_rank_said_it_wrote(one_rank, tmp_path):
+def test_the_writer_publishes_only_once_every_rank_said_it_wrote(group_of_one_rank, tmp_path):
     """World of 2 seen from rank 0 (the writer): rank 1's mark is what the publication waits for."""
     checkpointer, _, final = staged_save(tmp_path, world_size=2)
     checkpointer.go.set()
@@ -93,7 +82,7 @@ def test_the_writer_publishes_only_once_every_rank_said_it_wrote(one_rank, tmp_p
 
 
 @pytest.mark.parametrize("fault", ["write raises", "another rank failed", "another rank silent"])
-def test_a_failed_save_publishes_nothing_and_fails_the_wait_in_one_line(one_rank, tmp_path, fault):
+def test_a_failed_save_publishes_nothing_and_fails_the_wait_in_one_line(group_of_one_rank, tmp_path, fault):
     raises = OSError("No space left on device") if fault == "write raises" else None
     checkpointer, _, final = staged_save(tmp_path, world_size=1 if raises else 2, timeout_s=1, fail=raises)
     marks = tmp_path / "tmp-checkpoint-4" / RANKS_DIR

@@ -5,7 +5,6 @@ into a `peer_state` of that group's own shards."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -111,16 +110,6 @@ class _FailedManager:
 
     def errored(self) -> Exception:
         return RuntimeError("Connection closed by peer")
-
-
-@pytest.fixture
-def group_of_one_rank() -> Iterator[None]:
-    """A real one-rank gloo world: the group a heal agrees over."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("behind", [True, False], ids=["group-behind", "live-source"])
