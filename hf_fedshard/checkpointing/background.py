@@ -107,6 +107,8 @@ class BackgroundCheckpointer:
 
     def start(self, staging: str, final_dir: str, publish: Callable[[], None] | None) -> None:
         """Write the staged states in a background thread, then publish (``publish``: the writer's)."""
+        if self.current is not None:  # the invariant `wait` keeps: a second save would race the first's collectives
+            raise RuntimeError(f"{os.path.basename(self.current.final_dir)} is still in flight: wait() for it first")
         save = BackgroundSave(staging, final_dir, self._pending, publish)
         self._pending = []
         save.thread = threading.Thread(target=self._run, args=(save,), name="fedshard-checkpoint", daemon=True)
