@@ -98,7 +98,7 @@ class FedShardMixin(FederationMixin, CheckpointMixin, ReportingMixin, DataMixin,
         self._batches_per_epoch: int | None = None  # Trainer's steps_in_epoch (each rank's batches), if it has one
         self._resumed_position: DataPosition | None = None  # where the data resumes (the record's, not the step's)
         self._last_loss = torch.tensor(math.nan)  # a step this group does not train logs its last trained loss
-        self._checkpointer: BackgroundCheckpointer | None = None  # fed_async_checkpoint's writes, from the first save
+        self._checkpointer: BackgroundCheckpointer | None = None  # fed_async_checkpoint's writes (made in train)
         super().__init__(*args, **kwargs)
         if self.args.fed_evaluates_groups and (
             isinstance(self.eval_dataset, dict) or not has_length(self.eval_dataset)
@@ -150,6 +150,8 @@ class FedShardMixin(FederationMixin, CheckpointMixin, ReportingMixin, DataMixin,
         if self.fed_federation is not None:
             with phase("quorum and heal"):
                 self.fed_resume = self._join_federation(self.fed_resume)
+        if self.fed_callback is not None and self._checkpointer is None:  # train() again: the threads' groups stay
+            self._prepare_background_saves()
         try:
             with explain_stalled_collectives(lambda: self.state.global_step, self.args.ddp_timeout):
                 # a federated run's source reaches Trainer's loop in _inner_training_loop, not as a folder

@@ -71,7 +71,7 @@ class CheckpointMixin(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         final_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         self._track_best_checkpoint(run_dir, step)
-        if self.args.fed_async_checkpoint:
+        if self._checkpointer is not None:
             return self._save_in_background(final_dir, run_dir)
         with atomic_checkpoint(final_dir, self.args.should_save) as staging:
             self._save_federated_state(staging)
@@ -88,18 +88,22 @@ class CheckpointMixin(Trainer):
     def _save_in_background(self, final_dir: str, run_dir: str) -> None:
         """Stage every rank's state and write the small files now; the DCP writes and the publication (manifest,
         rename, rotation) go on in the background (`hf_fedshard.checkpointing.background`)."""
-        if self._checkpointer is None:
-            layout = self.args.fed_launch_layout
-            ranks = [list(layout.ranks_of(g)) for g in range(layout.num_groups)]
-            timeout = timedelta(seconds=self.args.ddp_timeout)
-            pinned = self.args.device.type == "cuda"
-            self._checkpointer = BackgroundCheckpointer(ranks, layout.world_size, timeout, pinned)
         staging = open_staging(final_dir, self.args.should_save)
         self._save_federated_state(staging)
         publisher = None  # the writer's: every other rank only writes its shards
         if self.args.should_save:
             publisher = partial(self._publish_checkpoint, staging, final_dir, run_dir, self.state.best_model_checkpoint)
         self._checkpointer.start(staging, final_dir, publisher)
+
+    def _prepare_background_saves(self) -> None:
+        """With ``fed_async_checkpoint``, the writer threads' process groups, made before training (every rank at
+        once), so that the first save's stall is a save's."""
+        if not self.args.fed_async_checkpoint or self.args.save_strategy == SaveStrategy.NO:
+            return
+        layout = self.args.fed_launch_layout
+        ranks = [list(layout.ranks_of(g)) for g in range(layout.num_groups)]
+        timeout, pinned = timedelta(seconds=self.args.ddp_timeout), self.args.device.type == "cuda"
+        self._checkpointer = BackgroundCheckpointer(ranks, layout.world_size, timeout, pinned)
 
     def _publish_checkpoint(self, staging: str, final_dir: str, run_dir: str, best: str | None) -> None:
         """The writer's last part of a background save, once every rank's shards are written (its thread)."""
