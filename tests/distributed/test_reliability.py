@@ -165,10 +165,12 @@ def assert_same_tree(ours: object, theirs: object, where: str) -> None:
 
 
 def test_fl_hsdp_resumes_exactly_between_averagings(tmp_path):
-    """FL+HSDP, 2 groups × 2 replicas × 2 shards: resume from checkpoint-1 (H=2) with resume_from_checkpoint."""
+    """FL+HSDP, 2 groups × 2 replicas × 2 shards: resume from checkpoint-1 (H=2) with resume_from_checkpoint. The
+    reference saves in the background at every step, so each save first waits for the one before."""
     args = ["--fed_group_size", "4", "--fed_shard_size", "2", "--fed_sync_steps", "2", "--max_steps", "3",
             "--save_strategy", "steps", "--save_steps", "1", *ADAMW]  # fmt: skip
-    ref = train_tiny(8, tmp_path / "ref", args, 400)
+    ref = train_tiny(8, tmp_path / "ref", [*args, "--fed_async_checkpoint", "true"], 400)
+    assert sorted(p.name for p in (tmp_path / "ref").glob("*checkpoint-*")) == [f"checkpoint-{s}" for s in (1, 2, 3)]
     checkpoint = tmp_path / "ref" / "checkpoint-1"
     runs = train_tiny(8, tmp_path / "resumed", [*args, "--resume_from_checkpoint", checkpoint], 400)
     assert [run["started_at_step"] for run in runs] == [1] * 8
