@@ -79,8 +79,13 @@ PATHS = {
     "torchft": ("torchft", []),
     "torchft-overlap-int8": ("torchft", ["--fed_sync_overlap", "1", "--fed_sync_dtype", "int8"]),
     "mesh": ("mesh", []),
+    # Checkpoints 4 times as often (K = 4, kept for more than one averaging interval, so that a full restart finds a
+    # step every group published), synchronous or written in the background: what a full restart rolls back.
+    "torchft-save4": ("torchft", ["--save_steps", "4", "--save_total_limit", "4"]),
+    "torchft-async4": ("torchft", ["--save_steps", "4", "--save_total_limit", "4", "--fed_async_checkpoint", "true"]),
 }
 FAULTS = ("worker", "launch", "full")
+LOSSES = ("imposed_s", "startup_s", "rollback_s")  # a full restart's seconds lost per group (`full_restart_losses`)
 BLOCK_SIZE = BenchConfig().block_size  # tokens per sample of `prepare_data`'s blocks
 
 
@@ -303,14 +308,19 @@ def inject(run: Run, fault: Fault, launches: Launches, cfg: GoodputConfig) -> No
 def committed_torchft(logs: dict[str, list[dict]], end: float) -> int:
     """Group-steps committed by ``end``: each group's steps since its previous averaging (or its start or heal),
     counted when it completes the next averaging; a group that begins again behind its last averaging (resumed
-    from an older checkpoint after a full restart) loses the steps between the two."""
+    from an older checkpoint after a full restart) loses the steps between the two, and one that begins again from
+    a checkpoint of its own ahead of it (saved between two averagings) keeps the steps that checkpoint holds."""
     total = 0
     for events in logs.values():
         base = last = None
+        saved: set[int] = set()
         for e in (e for e in events if e["t"] <= end):
             if e["event"] == "begin":
-                base = e["step"]
-                total -= max(0, (last or 0) - base)
+                own = e["step"] in saved and last is not None  # its own checkpoint, not a heal from a live group
+                base = min(e["step"], last) if own else e["step"]
+                total -= max(0, (last or 0) - e["step"])
+            elif e["event"] == "save":
+                saved.add(e["step"])
             elif e["event"] == "sync" and base is not None:
                 total, base, last = total + e["step"] - base, e["step"], e["step"]
     return total
@@ -372,6 +382,30 @@ def fault_figures(run: Run, cfg: GoodputConfig) -> list[dict]:
     return figures
 
 
+def full_restart_losses(run: Run, cfg: GoodputConfig, steps_per_s: float | None) -> list[dict]:
+    """Per full restart of a torchft path, the seconds a group lost, the mean over the groups, split three ways:
+    imposed by the study (R, and the group's place in the stagger), start-up (its launch's start to its training's
+    ``begin``), and rollback (the steps it trains again, its last averaged step before the kill less the step it
+    resumed at, at ``steps_per_s``: a group's pace in the path's run without failures)."""
+    if not elastic(run.path) or run.fault != "full" or not steps_per_s:
+        return []
+    out = []
+    for fault in run.faults:
+        kill, restart = run.t0 + fault["kill_s"], run.t0 + fault["restart_s"]
+        groups = []
+        for g in range(cfg.groups):
+            events, start = run.events.get(f"group{g}", []), restart + g * cfg.stagger_s
+            begin = next((e for e in events if e["event"] == "begin" and e["t"] > start), None)
+            if begin is None:  # not back before the run ended: its loss shows in the goodput alone
+                continue
+            synced = max((e["step"] for e in events if e["event"] == "sync" and e["t"] <= kill), default=0)
+            groups.append((start - kill, begin["t"] - start, max(0, synced - begin["step"]) / steps_per_s))
+        if groups:
+            imposed, startup, rollback = (statistics.mean(column) for column in zip(*groups, strict=True))
+            out.append({"imposed_s": imposed, "startup_s": startup, "rollback_s": rollback})
+    return out
+
+
 def back_at(run: Run, group: int, restart: float) -> float | None:
     """When the restarted group (-1: the last of every group; mesh: the job) first averaged after ``restart``."""
     if run.path == "mesh":
@@ -427,6 +461,8 @@ def summarize_repetition(runs: list[Run], cfg: GoodputConfig) -> dict:
     out = []
     for run in runs:
         figures = fault_figures(run, cfg)
+        pace = baseline[run.path] / cfg.groups / cfg.run_s if baseline.get(run.path) else None  # steps/s of a group
+        losses = full_restart_losses(run, cfg, pace)
         done = committed(run, cfg)
         models = ended_models(run, cfg.ranks_per_group)
         out.append({"path": run.path, "fault": run.fault, "interval_s": run.interval_s, "group_steps": done,
@@ -436,7 +472,7 @@ def summarize_repetition(runs: list[Run], cfg: GoodputConfig) -> dict:
                     "averaging_interval_s": averaging_interval_s(run), "startup_s": run.startup_s,
                     "max_stall_s": max((f["stall_s"] for f in figures if f["stall_s"] is not None), default=None),
                     "survivors_interval_s": median_or_none([f["survivors_interval_s"] for f in figures]),
-                    "back_s": [f["back_s"] for f in figures]})  # fmt: skip
+                    "back_s": [f["back_s"] for f in figures], "losses": losses})  # fmt: skip
     return {"runs": out}
 
 
@@ -455,6 +491,9 @@ def combine(reps: list[dict], cfg: GoodputConfig) -> list[dict]:
                         "survivors_interval_s", "startup_s"):  # fmt: skip
                 values = [r[key] for r in runs if r[key] is not None]
                 row[key] = report.spread(values) if values else None
+            for key in LOSSES:  # per full restart, over every run's
+                values = [loss[key] for r in runs for loss in r.get("losses", [])]
+                row[f"lost_{key}"] = report.spread(values) if values else None
             backs = [b for r in runs for b in r["back_s"]]
             known = [b for b in backs if b is not None]
             row["back_s"], row["never_back"] = (report.spread(known) if known else None), len(backs) - len(known)
@@ -476,7 +515,26 @@ def targets(rows: list[dict], cfg: GoodputConfig) -> list[dict]:
     blocking = next((r for r in rows if r["path"] == "torchft" and r["interval_s"] is None), None)
     for path in filter(elastic, cfg.paths):
         out += path_targets([r for r in rows if r["path"] == path], blocking, cfg)
-    return out
+    return out + restart_share_targets(rows)
+
+
+def project_share(row: dict) -> float | None:
+    """A full restart's seconds lost per group that are the project's own (start-up + rollback), on the medians."""
+    if not row.get("lost_startup_s") or not row.get("lost_rollback_s"):
+        return None
+    return row["lost_startup_s"]["median"] + row["lost_rollback_s"]["median"]
+
+
+def restart_share_targets(rows: list[dict]) -> list[dict]:
+    """Checkpoints written in the background every 4 steps halve the project's share of a full restart's loss
+    (start-up + rollback) against torchft's synchronous checkpoints every K steps, where the study ran both."""
+    full = {r["path"]: r for r in rows if r["fault"] == "full" and project_share(r) is not None}
+    if "torchft" not in full or "torchft-async4" not in full:
+        return []
+    bound, measured = project_share(full["torchft"]) / 2, project_share(full["torchft-async4"])
+    return [{"target": f"torchft-async4, full restarts: the project's seconds lost per group (start-up + rollback) "
+             f"≤ half torchft's ({bound:.1f} s)", "measured": measured, "met": measured <= bound, "scale": 1.0,
+             "unit": " s"}]  # fmt: skip
 
 
 def path_targets(rows: list[dict], blocking: dict | None, cfg: GoodputConfig) -> list[dict]:
@@ -569,6 +627,7 @@ def markdown(results: dict) -> str:
             report.median_range(row["survivors_interval_s"], ".2f"), report.median_range(row["startup_s"], ".1f"),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    lines += loss_lines(results["rows"])
     lines += ["", "| target (torchft, on the medians) | measured | met |", "|---|---:|:---:|"]
     for t in results["targets"]:
         measured = "—" if t["measured"] is None else f"{t['measured'] * t['scale']:.1f}{t['unit']}"
@@ -579,6 +638,24 @@ def markdown(results: dict) -> str:
               f"{load['others']}"]  # fmt: skip
     lines += report.run_record_lines(results)
     return "\n".join(lines)
+
+
+def loss_lines(rows: list[dict]) -> list[str]:
+    """The seconds a full restart cost each group, split by whose they are (none where no full restart ran)."""
+    full = [r for r in rows if r["fault"] == "full" and r.get("lost_startup_s")]
+    if not full:
+        return []
+    lines = ["", "Seconds lost per full restart and group (the mean over the groups, median (min–max) over the "
+             "restarts): imposed by the study (R and the group's place in the stagger), start-up (its launch's start "
+             "to its training's begin), rollback (the steps it trains again: its last averaged step less the step it "
+             "resumed at, at the path's pace without failures).", "",
+             "| path | imposed by the study (s) | start-up (s) | rollback (s) | the project's: start-up + rollback (s) "
+             "| goodput |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in full:
+        cells = [r["path"], *(report.median_range(r[f"lost_{k}"], ".1f") for k in LOSSES), f"{project_share(r):.1f}",
+                 report.median_range(r["goodput"], ".0f", 100) + "%" if r["goodput"] else "—"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(results: dict, out: Path) -> Path:

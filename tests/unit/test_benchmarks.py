@@ -606,6 +606,37 @@ def test_torchft_loses_the_steps_a_full_restart_rolls_back():
     assert goodput.committed_torchft(healed, end=12) == 8
 
 
+def test_a_full_restart_from_a_checkpoint_between_averagings_keeps_the_steps_it_holds():
+    """H = 4, a checkpoint every 2 steps: group 0 averages at 4 and 8, saves at 10, is killed at step 11; it resumes
+    from 10 (its own checkpoint) and averages at 12: 12 group-steps, none lost. Resumed from 6 instead, it loses the
+    2 steps behind its averaging at 8."""
+    before = [ev("begin", 0, 0), ev("sync", 4, 4), ev("save", 4.1, 4), ev("save", 6, 6), ev("sync", 8, 8),
+              ev("save", 8.1, 8), ev("save", 10, 10)]  # fmt: skip
+    ahead = {"group0": [*before, ev("begin", 30, 10), ev("sync", 33, 12)]}
+    assert goodput.committed_torchft(ahead, end=40) == 12
+    behind = {"group0": [*before, ev("begin", 30, 6), ev("sync", 37, 12)]}
+    assert goodput.committed_torchft(behind, end=40) == 8 - 2 + 6
+
+
+def test_a_full_restarts_loss_is_split_into_the_studys_the_start_ups_and_the_rollbacks():
+    """2 groups, R = 10 s, stagger 5 s, killed at t = 20 (t0 = 0), a group's pace 2 steps/s: group 0 (averaged at 8,
+    resumed at 8) begins 12 s after its start at 30; group 1 (averaged at 8, resumed at 4) 14 s after 35."""
+    cfg = goodput.GoodputConfig(groups=2, restart_s=10.0, stagger_s=5.0)
+    run = goodput.Run("torchft-async4", 60.0, "full", t0=0.0, faults=[{"group": -1, "kill_s": 20.0, "restart_s": 30.0}],
+                      events={"group0": [ev("sync", 10, 8), ev("begin", 42, 8)],
+                              "group1": [ev("sync", 10, 8), ev("sync", 21, 16), ev("begin", 49, 4)]})  # fmt: skip
+    (loss,) = goodput.full_restart_losses(run, cfg, steps_per_s=2.0)
+    assert loss == {"imposed_s": (10 + 15) / 2, "startup_s": (12 + 14) / 2, "rollback_s": (0 + 4 / 2) / 2}
+
+    def row(path: str, startup: float, rollback: float) -> dict:
+        return {"path": path, "fault": "full", "lost_startup_s": {"median": startup},
+                "lost_rollback_s": {"median": rollback}}  # fmt: skip
+
+    (target,) = goodput.restart_share_targets([row("torchft", 20.0, 10.0), row("torchft-async4", 12.0, 3.0)])
+    assert (target["measured"], target["met"]) == (15.0, True) and "≤ half torchft's (15.0 s)" in target["target"]
+    assert goodput.restart_share_targets([row("torchft-async4", 12.0, 3.0)]) == []
+
+
 def test_ended_models_compares_each_rank_with_the_same_rank_of_the_other_groups():
     """torchft: a log per group, in-group ranks; mesh: one log, global ranks (2 per group). A group counts once all
     its ranks ended."""
