@@ -7,6 +7,9 @@
                                                    # the overlapped int8 averaging against the blocking one
     sudo python -m benchmarks.goodput --paths torchft torchft-overlap-int8 --faults none --run-s 120 --repeats 3
                                                    # their throughput alone, without failures
+    sudo python -m benchmarks.goodput --paths torchft torchft-save4 torchft-async4 --faults full
+                                                   # full restarts: checkpoints every 16 steps, every 4, every 4 in
+                                                   # the background (the seconds lost, split by whose they are)
     sudo python -m benchmarks.goodput --quick --groups 2 --run-s 10 --intervals-s 8 --restart-s 2 --faults full
                                                    # the smoke the tests run: 1 fault a run, 4 runs of 10 s
 
@@ -34,6 +37,10 @@ says whether the groups ended on one model. The paths (``--paths``, default ``to
 - ``torchft-overlap-int8``: the same with the README's performance tips, ``--fed_sync_overlap 1 --fed_sync_dtype
   int8`` (each averaging's exchange runs while the next step trains; a round that loses a group is redone at its
   apply step);
+- ``torchft-save4``, ``torchft-async4``: torchft with a checkpoint every 4 steps instead of K (the last 4 kept),
+  written synchronously or in the background (``--fed_async_checkpoint``): with ``--faults full``, what checkpointing
+  more often saves a full restart, and what it costs without failures. Their table splits each full restart's seconds
+  lost per group into the study's (R and the stagger), the start-up's and the rollback's;
 - ``mesh``: today's path, one job of 4 nodes (``torchrun --nnodes 4 --rdzv-backend c10d --max-restarts 100``) with
   ``--fed_auto_resume`` and a checkpoint every K = 16 steps: a killed group stops every group, torchrun restarts
   the whole job once the node is back, and it resumes from the newest checkpoint.
