@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -190,17 +191,23 @@ class OverheadConfig:
 
 
 def launch(cfg: OverheadConfig, model: str, mode: str, work: Path, repeat: int) -> dict:
-    """One torchrun of this file; its JSON result."""
-    out = work / f"{model}-{mode}-{repeat}"
+    """One torchrun of this file; its JSON result, kept in ``work`` (a study stopped part-way goes on from there).
+    Its checkpoints are removed once it ended: SmolLM2's take 4 GB each."""
+    out, kept = work / f"{model}-{mode}-{repeat}", work / f"{model}-{mode}-{repeat}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", __spec__.name,
            "--output_dir", str(out), "--fed_group_size", "2", "--max_steps", str(cfg.max_steps), "--save_steps",
-           str(cfg.save_steps), *MODELS[model], *MODES[mode]]  # fmt: skip
+           str(cfg.save_steps), "--save_total_limit", "1", *MODELS[model], *MODES[mode]]  # fmt: skip
+    if kept.exists() and (record := json.loads(kept.read_text()))["command"] == cmd[5:]:
+        return record["run"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     done = process_tree.run(cmd, cfg.timeout_s, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    shutil.rmtree(out, ignore_errors=True)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     if done.returncode or line is None:
         raise RuntimeError(f"{model} {mode} failed (exit {done.returncode}):\n{done.stdout[-4000:]}")
-    return {"model": model, "mode": mode, "repeat": repeat, **json.loads(line[len("RESULT ") :])}
+    run = {"model": model, "mode": mode, "repeat": repeat, **json.loads(line[len("RESULT ") :])}
+    kept.write_text(json.dumps({"command": cmd[5:], "run": run}))
+    return run
 
 
 def figures(run: dict) -> dict:
