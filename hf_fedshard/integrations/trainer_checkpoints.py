@@ -41,7 +41,7 @@ from hf_fedshard.checkpointing.resume import load_on_every_rank
 from hf_fedshard.engine.payload import all_finite, model_state_tensors
 from hf_fedshard.integrations.file_modes import follow_umask
 from hf_fedshard.integrations.resume_source import ResumeSource, checkpoint_source
-from hf_fedshard.startup import phase
+from hf_fedshard.startup import LOAD, phase
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class CheckpointMixin(Trainer):
             source.load_model(model, self._group_pg)
             self.fed_callback.load_state_dict(source.averaging_state(model, self._group_pg), source.committed)
 
-        with phase("state load (checkpoint or peer)"):
+        with phase(LOAD):
             load_on_every_rank(str(source), load)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
@@ -220,7 +220,7 @@ class CheckpointMixin(Trainer):
             if (schedule := checkpoint.scheduler_state()) is not None:
                 self.lr_scheduler.load_state_dict(schedule)
 
-        with phase("state load (checkpoint or peer)"):
+        with phase(LOAD):
             load_on_every_rank(str(checkpoint), load)
         checkpoint.release()  # Trainer loads nothing more from it that it holds in memory
 
