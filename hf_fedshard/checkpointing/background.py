@@ -101,15 +101,14 @@ class BackgroundCheckpointer:
         write (``group``, the main thread's, is replaced by this checkpointer's own group of the same ranks)."""
         key = os.path.basename(directory)  # model, optimizer, feedback, fed_outer: one pinned copy each
         stager = self._stagers.setdefault(key, BlockingAsyncStager(cache_staged_state_dict=self._pinned))
-        staged = stager.stage(state)
-        self._pending.append((staged, directory))
-        self.staged_bytes = sum(_tensor_bytes(s) for s, _ in self._pending)
+        self._pending.append((stager.stage(state), directory))
 
     def start(self, staging: str, final_dir: str, publish: Callable[[], None] | None) -> None:
         """Write the staged states in a background thread, then publish (``publish``: the writer's)."""
         if self.current is not None:  # the invariant `wait` keeps: a second save would race the first's collectives
             raise RuntimeError(f"{os.path.basename(self.current.final_dir)} is still in flight: wait() for it first")
         save = BackgroundSave(staging, final_dir, self._pending, publish)
+        self.staged_bytes = sum(_tensor_bytes(state) for state, _ in self._pending)
         self._pending = []
         save.thread = threading.Thread(target=self._run, args=(save,), name="fedshard-checkpoint", daemon=True)
         self.current = save

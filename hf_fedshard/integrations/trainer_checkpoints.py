@@ -78,12 +78,7 @@ class CheckpointMixin(Trainer):
         if self.args.push_to_hub:
             self._push_from_checkpoint(final_dir)
         if self.args.should_save:
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
+            self._rotate(run_dir, self.state.best_model_checkpoint)
 
     def _save_in_background(self, final_dir: str, run_dir: str) -> None:
         """Stage every rank's state and write the small files now; the DCP writes and the publication (manifest,
@@ -109,6 +104,10 @@ class CheckpointMixin(Trainer):
         """The writer's last part of a background save, once every rank's shards are written (its thread)."""
         write_manifest_alone(staging)
         publish(staging, final_dir)
+        self._rotate(run_dir, best)
+
+    def _rotate(self, run_dir: str, best: str | None) -> None:
+        """Trainer's rotation over the published checkpoints (``checkpoint-N`` names only), keeping ``best``."""
         rotate_checkpoints(run_dir, self.args.save_total_limit, best, use_mtime=True)
 
     def _end_background_save(self) -> None:
