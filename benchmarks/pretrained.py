@@ -9,7 +9,10 @@ the offline Shakespeare corpus with the model's own tokenizer, through recipes/p
   cluster studies' default is 8);
 - FSDP: one group of both ranks (``--fed_group_size 2``: plain FSDP2 over the world);
 - base: the model before any training, evaluated by the recipe itself after zero steps
-  (``--max_steps 0 --num_train_epochs 0``), on the same eval set, once.
+  (``--max_steps 0 --num_train_epochs 0``), on the same eval set, once;
+- on request (``--methods``), FL+FSDP topk 1%: FL+FSDP with the sparse payload (``--fed_sync_dtype topk``, 1% of
+  each chunk of 4096 values, 2 bits, plain error feedback), against FL+FSDP's fp32 FedAvg at the same seed, with
+  the inter-group bytes each rank sent per averaging (the trainer's ``fed_inter_group_bytes`` ÷ ``fed_syncs``).
 
 Both methods share every hyperparameter (per-device batch, AdamW at a constant learning rate, clipping, seed, hence
 data order), so they read the same tokens per step: 2 ranks × batch × block size. FL+FSDP's groups step on half of
@@ -21,6 +24,7 @@ speedups (hf_fedshard.tools.cost) for SmolLM2-135M's shape on the paper's 512-GP
 
     python -m benchmarks.pretrained --quick     # 8 steps, seed 0, 32 eval blocks
     python -m benchmarks.pretrained             # 24 steps, seeds 0 1, 128 eval blocks of 64 tokens (~20 min)
+    python -m benchmarks.pretrained --methods FL+FSDP "FL+FSDP topk 1%" --out benchmarks/results/pretrained_full_topk
 
 The full mode's 24 steps, not 32: a short run here took 9–11 s per step while another job shared the 2 cores, so 32
 steps × 4 runs projected to about 25 minutes, past the 20 set for this study. The recorded run then found the cores
@@ -55,10 +59,18 @@ from hf_fedshard.tools.models import SMOLLM2
 RECIPE = REPO / "recipes" / "pretrain_clm.py"
 PROCESSES = 2  # FL+FSDP: 2 groups × 1 rank; FSDP: 1 group × 2 ranks
 METHODS = ("FSDP", "FL+FSDP")
-GROUP_SIZE = {"base": PROCESSES, "FSDP": PROCESSES, "FL+FSDP": 1}
+TOPK = "FL+FSDP topk 1%"
+PAYLOAD = {TOPK: ["--fed_sync_dtype", "topk", "--fed_sync_density", "0.01", "--fed_sync_bits", "2"]}
+CHOICES = (*METHODS, TOPK)
+GROUP_SIZE = {"base": PROCESSES, "FSDP": PROCESSES, "FL+FSDP": 1, TOPK: 1}
 # The set-up each run's model card must name (hf_fedshard.integrations.card.setup_description): "FSDP2 over 2 ranks",
 # not "data parallel (DDP) over 2 ranks, no FSDP", Accelerate's silent fallback on CPU.
-SETUP = {"base": f"FSDP2 over {PROCESSES} ranks", "FSDP": f"FSDP2 over {PROCESSES} ranks", "FL+FSDP": "FL+FSDP"}
+SETUP = {
+    "base": f"FSDP2 over {PROCESSES} ranks",
+    "FSDP": f"FSDP2 over {PROCESSES} ranks",
+    "FL+FSDP": "FL+FSDP",
+    TOPK: "FL+FSDP",
+}
 # SmolLM2-135M's shape (its config.json): tied embeddings, so the embedding shares the [final norm, head] unit.
 SMOLLM2_SHAPE = dict(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, vocab=49_152, tied=True)
 SMOLLM2_PARAMETERS = 134_515_008
@@ -70,6 +82,7 @@ class PretrainedConfig:
     """What every run shares; only the layout differs between FSDP and FL+FSDP."""
 
     seeds: tuple[int, ...] = (0, 1)
+    methods: tuple[str, ...] = METHODS
     steps: int = 24
     sync_steps: int = 4  # H, FL+FSDP's
     block_size: int = 64
@@ -103,7 +116,7 @@ class PretrainedConfig:
 def run_args(cfg: PretrainedConfig, method: str, seed: int) -> list[str]:
     """recipes/pretrain_clm.py's arguments of one run (``method``: base, FSDP or FL+FSDP), less the output folder."""
     steps = ["--max_steps", "0", "--num_train_epochs", "0"] if method == "base" else ["--max_steps", str(cfg.steps)]
-    fed = ["--fed_sync_steps", str(cfg.sync_steps)] if method == "FL+FSDP" else []
+    fed = ["--fed_sync_steps", str(cfg.sync_steps), *PAYLOAD.get(method, [])] if GROUP_SIZE[method] == 1 else []
     return [
         "--model_name_or_path", SMOLLM2, "--dataset_name", "shakespeare", "--block_size", str(cfg.block_size),
         "--per_device_train_batch_size", str(cfg.batch_size), "--per_device_eval_batch_size",
@@ -165,7 +178,7 @@ def run_one(cfg: PretrainedConfig, method: str, seed: int, work: Path) -> dict:
     """One launch of the recipe; its eval perplexity, time per step, the set-up it ran and each rank's peak memory.
 
     Raises if the run failed or its model card names another set-up than the method's (FSDP silently turned DDP)."""
-    run_dir = work / f"{method.replace('+', '_')}-s{seed}"
+    run_dir = work / f"{method.replace('+', '_').replace(' ', '_').replace('%', 'pc')}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={PROCESSES}",
            str(RECIPE), "--output_dir", str(run_dir / "out"), *run_args(cfg, method, seed)]  # fmt: skip
@@ -186,6 +199,7 @@ def run_one(cfg: PretrainedConfig, method: str, seed: int, work: Path) -> dict:
     (out / "model.safetensors").unlink(missing_ok=True)  # 538 MB per run, of no use to the study
     layout = next((line for line in log.splitlines() if "WORLD_SIZE(" in line), "")
     steps = cfg.steps if method != "base" else 0
+    fed = next((h for h in reversed(history) if "fed_syncs" in h), {})
     print(f"  {method:<8} seed {seed}: eval ppl {math.exp(metrics['eval_loss']):.2f} ({wall_s:.0f} s)", flush=True)
     return {
         "method": method, "seed": seed, "steps": steps, "tokens": steps * cfg.tokens_per_step,
@@ -193,6 +207,7 @@ def run_one(cfg: PretrainedConfig, method: str, seed: int, work: Path) -> dict:
         "train_runtime_s": metrics["train_runtime"], "s_per_step": metrics["train_runtime"] / steps if steps else None,
         "eval_runtime_s": metrics["eval_runtime"], "wall_s": round(wall_s, 1),
         "train_losses": [h["loss"] for h in history if "loss" in h],
+        "bytes_per_averaging": fed["fed_inter_group_bytes"] / fed["fed_syncs"] if fed.get("fed_syncs") else None,
         "setup": setup, "layout_line": layout.removeprefix("hf_fedshard: "),
         "peak_rss_bytes_per_rank": [peaks[r] for r in sorted(peaks)],
         "load_1_5_15_before": [round(x, 2) for x in load_before], **others_cpu(cpu, wall_s),
@@ -204,7 +219,7 @@ def summarize(results: dict) -> dict:
     runs = results["runs"]
     base = next(r for r in runs if r["method"] == "base")["eval_perplexity"]
     rows = []
-    for method in ("base", *METHODS):
+    for method in ("base", *results["config"].get("methods", METHODS)):
         mine = [r for r in runs if r["method"] == method]
         rows.append({
             "method": method, "setup": mine[0]["setup"], "seeds": [r["seed"] for r in mine],
@@ -214,10 +229,17 @@ def summarize(results: dict) -> dict:
             "s_per_step": spread([r["s_per_step"] for r in mine]) if method != "base" else None,
             "peak_rss_bytes": spread([p for r in mine for p in r["peak_rss_bytes_per_rank"]]),
             "batch_samples": GROUP_SIZE[method] * results["config"]["batch_size"] if method != "base" else None,
+            "bytes_per_averaging": mine[0].get("bytes_per_averaging"),
         })  # fmt: skip
-    fsdp = {r["seed"]: r["eval_perplexity"] for r in runs if r["method"] == "FSDP"}
-    ratios = [r["eval_perplexity"] / fsdp[r["seed"]] for r in runs if r["method"] == "FL+FSDP" and r["seed"] in fsdp]
-    return {"base_perplexity": base, "rows": rows, "fl_over_fsdp": ratios, "verdict": verdict(ratios)}
+    ratios = paired(runs, "FL+FSDP", "FSDP")
+    return {"base_perplexity": base, "rows": rows, "fl_over_fsdp": ratios, "verdict": verdict(ratios),
+            "topk_over_fp32": paired(runs, TOPK, "FL+FSDP")}  # fmt: skip
+
+
+def paired(runs: list[dict], method: str, reference: str) -> list[float]:
+    """``method``'s eval perplexity ÷ ``reference``'s, per seed both ran (same seed, same tokens)."""
+    ref = {r["seed"]: r["eval_perplexity"] for r in runs if r["method"] == reference}
+    return [r["eval_perplexity"] / ref[r["seed"]] for r in runs if r["method"] == method and r["seed"] in ref]
 
 
 def verdict(ratios: list[float]) -> str:
@@ -278,8 +300,8 @@ def markdown(results: dict) -> str:
         "train_runtime ÷ steps. Peak RSS: each rank's peak resident memory, median (min–max) over ranks and seeds.",
         "",
         "| method | set-up (its model card) | batch per update (samples) | eval ppl | per seed | ÷ base | s/step | "
-        "peak RSS per rank (MB) |",
-        "|---|---|---:|---:|---|---:|---:|---:|",
+        "peak RSS per rank (MB) | inter-group bytes per averaging per rank |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     for row in summary["rows"]:
         batch = "—" if row["batch_samples"] is None else str(row["batch_samples"])
@@ -287,15 +309,18 @@ def markdown(results: dict) -> str:
         lines.append(
             f"| {row['method']} | {row['setup']} | {batch} | {median_range(row['eval_perplexity'])} | {per_seed} | "
             f"{median_range(row['vs_base'], '.3f')} | {median_range(row['s_per_step'], '.1f')} | "
-            f"{median_range(row['peak_rss_bytes'], '.0f', 1e-6)} |"
+            f"{median_range(row['peak_rss_bytes'], '.0f', 1e-6)} | {_bytes_cell(row.get('bytes_per_averaging'))} |"
         )
-    ratios = summary["fl_over_fsdp"]
+    seeds = ", ".join(map(str, cfg["seeds"]))
+    for name, ratios, after in (
+        ("FL+FSDP ÷ FSDP", summary["fl_over_fsdp"], f"The paper's claim at equal tokens: **{summary['verdict']}**."),
+        (f"{TOPK} ÷ FL+FSDP (fp32)", summary.get("topk_over_fp32", []), "The sparse payload's cost at equal tokens."),
+    ):
+        if ratios:
+            median = f" (median {statistics.median(ratios):.4f})" if len(ratios) > 1 else ""
+            lines += ["", f"{name} eval perplexity, same seed (seeds {seeds}): {', '.join(f'{r:.4f}' for r in ratios)}"
+                      f"{median}. {after}"]  # fmt: skip
     lines += [
-        "",
-        f"FL+FSDP ÷ FSDP eval perplexity, same seed (seeds {', '.join(map(str, cfg['seeds']))}): "
-        + ", ".join(f"{r:.4f}" for r in ratios)
-        + (f" (median {statistics.median(ratios):.4f})" if len(ratios) > 1 else "")
-        + f". The paper's claim at equal tokens: **{summary['verdict']}**.",
         "",
         "Cost model (`hf_fedshard.tools.cost`, serial model, not a measurement): projected speedup on the paper's "
         "setting, 512 A100 = 128 nodes × 4, H = 8, 2 × 2048 tokens per GPU per step, MFU 0.4; two tiers: 200 Gb/s "
@@ -327,6 +352,10 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _bytes_cell(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}"
+
+
 def plot(results: dict, out: Path) -> Path:
     """Eval perplexity per method and seed (the base model's in the title), and the logged training loss per step."""
     import matplotlib
@@ -335,26 +364,27 @@ def plot(results: dict, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=100)
+    methods = list(results["config"].get("methods", METHODS))
     by_seed = {(r["method"], r["seed"]): r["eval_perplexity"] for r in results["runs"]}
     for i, seed in enumerate(results["config"]["seeds"]):  # solid, dotted: the seeds, as on the right
-        values = [by_seed[(m, seed)] for m in METHODS]
-        left.plot(range(len(METHODS)), values, "-" if i == 0 else ":", color="black", label=f"seed {seed}")
-        left.scatter(range(len(METHODS)), values, color=[f"C{x}" for x in range(len(METHODS))], zorder=3)
-    left.set_xticks(range(len(METHODS)), METHODS)
-    left.set_xlim(-0.4, len(METHODS) - 0.6)
+        values = [by_seed[(m, seed)] for m in methods]
+        left.plot(range(len(methods)), values, "-" if i == 0 else ":", color="black", label=f"seed {seed}")
+        left.scatter(range(len(methods)), values, color=[f"C{x}" for x in range(len(methods))], zorder=3)
+    left.set_xticks(range(len(methods)), methods, fontsize=7)
+    left.set_xlim(-0.4, len(methods) - 0.6)
     left.set_ylabel("eval perplexity after the last step")
     base = results["summary"]["base_perplexity"]
-    left.set_title(f"Each seed (same tokens for both methods); base model {base:.2f}", fontsize=9)
+    left.set_title(f"Each seed (same tokens for every method); base model {base:.2f}", fontsize=9)
     left.legend(fontsize=8)
     for run in results["runs"]:
-        if run["method"] in METHODS:
-            color = f"C{METHODS.index(run['method'])}"
+        if run["method"] in methods:
+            color = f"C{methods.index(run['method'])}"
             style = "-" if run["seed"] == results["config"]["seeds"][0] else ":"  # colours: the methods
             label, losses = f"{run['method']} seed {run['seed']}", run["train_losses"]
             right.plot(range(1, len(losses) + 1), losses, style, color=color, label=label)
     right.set_xlabel("optimizer step")
     right.set_ylabel("training loss as logged")
-    right.set_title(f"{results['config']['tokens_per_step']} world tokens per step, both methods", fontsize=9)
+    right.set_title(f"{results['config']['tokens_per_step']} world tokens per step, every method", fontsize=9)
     right.legend(fontsize=7)
     return save_figure(fig, out / "perplexity.png")
 
@@ -363,6 +393,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = new_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="8 steps, seed 0, 32 eval blocks.")
     p.add_argument("--seeds", type=int, nargs="+", help="Seeds (default 0 1; quick 0).")
+    p.add_argument("--methods", nargs="+", choices=CHOICES, help=f"Default: {' '.join(METHODS)}.")
     p.add_argument("--steps", type=int, help="Optimizer steps per run, a multiple of H (default 24; quick 8).")
     p.add_argument("--sync-steps", type=int, default=4, help="H: FL+FSDP's steps between two averagings.")
     p.add_argument("--batch-size", type=int, default=4, help="Per-device batch, blocks of 64 tokens.")
@@ -380,6 +411,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainedConfig:
     return validated(
         PretrainedConfig(
             seeds=tuple(args.seeds or ((0,) if quick else (0, 1))),
+            methods=tuple(args.methods or METHODS),
             steps=args.steps or (8 if quick else 24),
             sync_steps=args.sync_steps,
             batch_size=args.batch_size,
@@ -399,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     with study.running() as work:
         before = machine_load()
         runs = [run_one(cfg, "base", cfg.seeds[0], work)]
-        runs += [run_one(cfg, method, seed, work) for seed in cfg.seeds for method in METHODS]
+        runs += [run_one(cfg, method, seed, work) for seed in cfg.seeds for method in cfg.methods]
     results = {"config": {**asdict(cfg), "tokens_per_step": cfg.tokens_per_step}, "runs": runs,
                "projection": projected, "machine": {"before": before}}  # fmt: skip
     results["summary"] = summarize(results)

@@ -25,6 +25,12 @@ the same repetition; peak resident memory per rank; a plot of every curve.
     python -m benchmarks.time_to_quality --topology three-tier   # 2 racks × 2 nodes × 2 ranks (1 Gbit/s in a
                                                     # rack, 100 Mbit/s rack uplinks): HSDP, FL+HSDP, FSDP, FL+FSDP
     python -m benchmarks.time_to_quality --report-only benchmarks/results/time_to_quality_full/results.json
+    python -m benchmarks.time_to_quality --nodes 2 --rate-mbit 10 --target FL+FSDP \
+        --methods FL+FSDP "FL+FSDP overlap int8" "FL+FSDP overlap topk 1%"   # the payloads on a WAN, G = 2
+
+``--target`` names the method whose perplexity at the budget the others must reach (the payload comparison's is
+blocking fp32 FL+FSDP, the paper's); with both overlapped payloads run, the table is followed by how much sooner
+topk reached it than int8, per repetition (docs/sparse_payload.md).
 
 On three tiers the baseline is HSDP (sharded in a node, replicated across nodes) and its federated counterpart
 FL+HSDP (one group per rack): the times to reach HSDP's perplexity at the budget come first, FSDP's beside them.
@@ -57,6 +63,8 @@ LR_GRID = (0.5, 2.0, 4.0)  # FSDP's lr × these beside FSDP itself (× 1)
 MAIN = ("FSDP", "HSDP", "FL+FSDP", BEST, "FL+HSDP", "LocalSGD", ONE_RANK)
 QUICK = ("FSDP", "FSDP lr ×2", "FL+FSDP", BEST, "LocalSGD")
 THREE_TIER_LABELS = ("HSDP", "FL+HSDP", "FSDP", "FL+FSDP")
+INT8, TOPK = "FL+FSDP overlap int8", "FL+FSDP overlap topk 1%"  # on request: the slow-link payloads, overlapped
+SOONER = 1.5  # issue 42's target at 10 Mbit/s: topk reaches the target perplexity ≥ 1.5× sooner than int8
 FEDERATED = {"FSDP": "FL+FSDP", "HSDP": "FL+HSDP"}  # each baseline's federated counterpart, for the headline
 
 
@@ -121,15 +129,22 @@ def time_to_reach(points: list[tuple[float, float]], target_loss: float, budget_
 
 
 def run_summary(records: list[dict], budget_s: float, tokens_per_step: int) -> dict:
-    """One method in one repetition: its curve, perplexity at the budget, steps in it, peak memory per rank."""
+    """One method in one repetition: its curve, perplexity at the budget, steps in it, peak memory per rank.
+
+    A step's clock is the slowest rank's (the one `BudgetStop` decides on: the model of a step exists once every
+    rank has trained it); the eval losses are rank 0's (every rank evaluates the same global model)."""
     rank0 = next(r for r in records if r["rank"] == 0)
-    points = [(e["train_clock_s"], e["eval_loss"]) for e in rank0["evals"]]
+    slowest: dict[int, float] = {}
+    for step in (s for r in records for s in r["steps"]):
+        slowest[step["step"]] = max(slowest.get(step["step"], 0.0), step["train_clock_s"])
+    evals = [{**e, "train_clock_s": slowest.get(e["step"], e["train_clock_s"])} for e in rank0["evals"]]
+    points = [(e["train_clock_s"], e["eval_loss"]) for e in evals]
     at_budget = loss_at(points, budget_s)
-    steps_in_budget = sum(1 for s in rank0["steps"] if s["train_clock_s"] <= budget_s)
+    steps_in_budget = sum(1 for clock in slowest.values() if clock <= budget_s)
     return {
-        "evals": [{**e, "eval_perplexity": math.exp(e["eval_loss"])} for e in rank0["evals"]],
+        "evals": [{**e, "eval_perplexity": math.exp(e["eval_loss"])} for e in evals],
         "stop_step_per_rank": sorted({len(r["steps"]) for r in records}),  # one value: every group stopped together
-        "train_clock_at_stop_s": rank0["steps"][-1]["train_clock_s"],
+        "train_clock_at_stop_s": max(slowest.values()),
         "steps_in_budget": steps_in_budget,
         "tokens_in_budget": steps_in_budget * tokens_per_step,
         "loss_at_budget": at_budget,
@@ -207,7 +222,7 @@ def baseline_of(results: dict, paired: bool = False) -> str | None:
     first whose federated counterpart ran too (the headline's)."""
     summary = results["summary"]
     return next((b for b in results.get("baselines", ["FSDP"]) if b in summary["targets"]
-                 and (not paired or FEDERATED[b] in summary["methods"])), None)  # fmt: skip
+                 and (not paired or FEDERATED.get(b) in summary["methods"])), None)  # fmt: skip
 
 
 def cluster_description(cfg: dict) -> str:
@@ -241,6 +256,22 @@ def headline(results: dict) -> str | None:
         f"{median_range(p, '.1f')} ({baseline}'s at the budget), {federated} needed {reach_cell(fl, key, n)} min where "
         f"{baseline} needed {reach_cell(base, key, n)} min (median (min–max) over {n} repetition(s))."
     )
+
+
+def payload_sentence(results: dict) -> str | None:
+    """How much sooner topk reached the target than int8, per repetition (``None`` unless both ran)."""
+    summary, baseline = results["summary"], baseline_of(results)
+    if baseline is None or not {INT8, TOPK} <= summary["methods"].keys():
+        return None
+    key = f"time_to_{baseline}"
+    int8, topk = (summary["methods"][m][key]["per_repetition"] for m in (INT8, TOPK))
+    ratios = [a / b for a, b in zip(int8, topk, strict=True) if a and b]
+    if len(ratios) < len(int8):
+        return f"{TOPK} against {INT8}: not both reached {baseline}'s perplexity in every repetition (see the table)."
+    met = "met" if min(ratios) >= SOONER else "not met"
+    return (f"{TOPK} reached {baseline}'s perplexity at the budget {median_range(spread(ratios), '.2f')}× sooner than "
+            f"{INT8} (int8's time ÷ topk's, per repetition: {', '.join(f'{r:.2f}' for r in ratios)}); target ≥ "
+            f"{SOONER:g}× in every repetition: {met}.")  # fmt: skip
 
 
 def target_columns(summary: dict) -> list[tuple[str, bool]]:
@@ -294,9 +325,9 @@ def markdown(results: dict) -> str:
     busy = ", ".join(f"{m} {median_range(c)}" for m, c in busy_cores.items())
     lines += ["", "CPU cores kept busy by other processes while each method ran (average over its run; median "
               f"(min–max) over repetitions): {busy}."]  # fmt: skip
-    sentence = headline(results)
-    if sentence:
-        lines += ["", sentence]
+    for sentence in (headline(results), payload_sentence(results)):
+        if sentence:
+            lines += ["", sentence]
     lines += run_record_lines(results)
     return "\n".join(lines)
 
@@ -328,7 +359,17 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help=f"2 nodes, micro, {', '.join(QUICK)}, 40 s, 1 repetition.")
     p.add_argument("--budget-s", type=float, help="Seconds of training clock per method (default 120; 40 quick).")
     p.add_argument("--repeats", type=int, help="Interleaved repetitions (default 2; 1 with --quick).")
-    p.add_argument("--methods", nargs="+", choices=METHODS, help="Default: all (quick: the five above).")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=(*METHODS, INT8, TOPK),
+        help=f"Default: all but {INT8} and {TOPK} (quick: the five above).",
+    )
+    p.add_argument(
+        "--target",
+        choices=(*METHODS, INT8, TOPK),
+        help="Whose perplexity at the budget the others must reach (default FSDP; three-tier: HSDP).",
+    )
     p.add_argument("--topology", choices=("two-tier", "three-tier"), default="two-tier",
                    help="three-tier: " + ", ".join(f"{k} {v:g}" for k, v in THREE_TIER.items())
                    + f"; {', '.join(THREE_TIER_LABELS)}; HSDP is the baseline.")  # fmt: skip
@@ -362,6 +403,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, tuple[str, 
         timeout_s=args.timeout_s or budget_s + 420,
     )  # fmt: skip
     cfg.validate()  # the harness's methods behind the labels, steps and evaluations on averaged steps
+    if args.target and args.target not in labels:
+        raise ValueError(f"--target {args.target} did not run: add it to --methods ({' '.join(labels)}).")
     return cfg, labels, budget_s, args.repeats or (1 if quick else 2)
 
 
@@ -377,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         return rewrite(study.args.report_only, summary_again, markdown, plot)
     cfg, labels, budget_s, repeats = config_from_args(study.args)
     three = cfg.racks > 1
-    baselines = ("HSDP", "FSDP") if three else ("FSDP",)
+    baselines = (study.args.target,) if study.args.target else ("HSDP", "FSDP") if three else ("FSDP",)
     spec = {label: study_args(label, cfg, budget_s) for label in labels}
     runs = []
     with study.running() as work:

@@ -8,6 +8,8 @@ planner's (`hf_fedshard.tools.cost`).
 from __future__ import annotations
 
 from hf_fedshard.engine.codec import INT8_BLOCK
+from hf_fedshard.engine.sparse import SparseCodec
+from hf_fedshard.tools.cost import topk_bytes_per_value
 from hf_fedshard.topology import FederationLayout
 
 GLOO = 2.0  # torch's gloo reduce_scatter_tensor all-reduces the input: measured by benchmarks/gloo_collectives.py
@@ -15,8 +17,13 @@ OPTIMIZER_STATE_BYTES = 16  # fp32 parameter, gradient, and AdamW's two moments,
 OUTER_STATE_BYTES = 8  # an outer optimizer's fp32 anchor and momentum (DiLoCo-style), per parameter
 
 
-def sync_bytes_per_value(sync_dtype: str) -> float:
-    """b_s: payload bytes per averaged value for ``fed_sync_dtype`` (int8 carries one fp32 scale per block)."""
+def sync_bytes_per_value(sync_dtype: str, settings: dict[str, str] | None = None) -> float:
+    """b_s: payload bytes per averaged value for ``fed_sync_dtype`` (int8 carries one fp32 scale per block; topk
+    its codes, indices and chunk scales at the density, bits and chunk of ``settings``, fed settings by name)."""
+    if sync_dtype == "topk":
+        given = {k.removeprefix("fed_sync_"): v for k, v in (settings or {}).items() if k.startswith("fed_sync_")}
+        return topk_bytes_per_value(SparseCodec(float(given.get("density", 0.01)), int(given.get("bits", 2)),
+                                                int(given.get("chunk", 4096))))  # fmt: skip
     return {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}[sync_dtype]
 
 

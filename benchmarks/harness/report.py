@@ -40,6 +40,10 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "FL+FSDP stream": ("FL+FSDP", ["--fed_sync_fragments", "4", "--fed_sync_overlap", "1"]),
     "FL+FSDP stream int8": ("FL+FSDP", ["--fed_sync_fragments", "4", "--fed_sync_overlap", "1", "--fed_sync_dtype",
                                         "int8"]),
+    # The cheapest payloads overlapped (time to quality on a slow link): int8, and topk at 1%, 2 bits
+    "FL+FSDP overlap int8": ("FL+FSDP", ["--fed_sync_overlap", "1", "--fed_sync_dtype", "int8"]),
+    "FL+FSDP overlap topk 1%": ("FL+FSDP", ["--fed_sync_overlap", "1", "--fed_sync_dtype", "topk", "--fed_sync_density",
+                                            "0.01", "--fed_sync_bits", "2"]),
     # Other group sizes of the 4-node, 8-rank world: 2 groups of 2 nodes, and groups of unequal size.
     "FL+FSDP 2×4": ("FL+FSDP", ["--fed_group_size", "4"]),
     "FL+FSDP 4,2,2": ("FL+FSDP", ["--fed_group_size", "4,2,2"]),
@@ -106,7 +110,7 @@ def predicted(method: str, cfg: dict, record: dict, compute_s: float | None) -> 
     """The cost model's bytes per step (and, given the compute time, s/step) for this run."""
     layout, h = layout_of(method, cfg)
     settings = variant_settings(method)
-    sync_bytes = sync_bytes_per_value(settings.get("fed_sync_dtype", "float32"))
+    sync_bytes = sync_bytes_per_value(settings.get("fed_sync_dtype", "float32"), settings)
     split = settings.get("fed_split_exchange") == "true"
     model = ModelCost(record["params"], record["once_params"], record["units"], 4, 4, sync_bytes, GLOO, split)
     racks = cfg.get("racks", 1)

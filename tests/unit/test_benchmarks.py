@@ -76,7 +76,10 @@ def test_pretrained_runs_differ_only_in_layout_and_the_verdict_pairs_seeds():
         args = pretrained.run_args(cfg, method, seed=1)
         return dict(zip(args[::2], args[1::2], strict=True))
 
-    fsdp, fl = settings("FSDP"), settings("FL+FSDP")
+    fsdp, fl, topk = settings("FSDP"), settings("FL+FSDP"), settings(pretrained.TOPK)
+    payload = {k: topk.pop(k) for k in ("--fed_sync_dtype", "--fed_sync_density", "--fed_sync_bits")}
+    assert payload == {"--fed_sync_dtype": "topk", "--fed_sync_density": "0.01", "--fed_sync_bits": "2"}
+    assert topk == fl  # FL+FSDP's layout and H, the same tokens
     assert fsdp.pop("--fed_group_size") == "2" and fl.pop("--fed_group_size") == "1"  # 1 × 2 ranks; 2 groups × 1
     assert fl.pop("--fed_sync_steps") == "4" and fsdp == fl  # every other setting the same: the same tokens
     assert fsdp["--model_name_or_path"] == "smollm2-135m-instruct" and fsdp["--block_size"] == "64"
@@ -91,6 +94,14 @@ def test_pretrained_runs_differ_only_in_layout_and_the_verdict_pairs_seeds():
             run("FL+FSDP", 1, 45.1)]  # fmt: skip
     summary = pretrained.summarize({"config": asdict(cfg), "runs": runs})
     assert summary["fl_over_fsdp"] == pytest.approx([0.95, 1.025])  # paired by seed
+    sparse = pretrained.summarize(
+        {
+            "config": {**asdict(cfg), "methods": ("FL+FSDP", pretrained.TOPK)},
+            "runs": [*runs, run(pretrained.TOPK, 1, 49.61), run(pretrained.TOPK, 0, 39.9)],
+        }
+    )
+    assert sparse["topk_over_fp32"] == pytest.approx([1.1, 1.05])  # per seed, against FL+FSDP's fp32
+    assert [r["method"] for r in sparse["rows"]] == ["base", "FL+FSDP", pretrained.TOPK]
     assert summary["verdict"] == (
         "lower perplexity: not settled, lower than FSDP's for some seeds and not for others; no worse (≤ 1.05× FSDP's "
         "for every seed): met"
@@ -250,7 +261,7 @@ CURVES = {  # per repetition; losses are binary fractions, so every interpolatio
 def ttq_records(points: list[tuple[float, float]], stop_steps: tuple[int, ...] = (4, 4)) -> list[dict]:
     """The ranks' records bench_train.py writes, as far as the study reads them: rank 0's evaluations, each
     rank's steps (one per evaluation here) and memory."""
-    steps = [{"train_clock_s": float(t)} for t, _ in points[1:]]
+    steps = [{"step": i, "train_clock_s": float(t)} for i, (t, _) in enumerate(points[1:], start=1)]
     return [{"rank": rank, "evals": [{"step": i, "train_clock_s": float(t), "eval_loss": float(loss)}
                                      for i, (t, loss) in enumerate(points)] if rank == 0 else [],
              "steps": steps[:stop], "peak_rss_bytes": (300 + rank) * 10**6, "rss_before_model_bytes": 100 * 10**6}
@@ -312,6 +323,28 @@ def test_time_to_quality_reports_per_repetition_against_fsdp_and_the_tuned_fsdp(
         "training: to reach perplexity 1608.1 (1408.1–1808.0) (FSDP's at the budget), FL+FSDP needed 0.11 "
         "(0.10–0.12) min where FSDP needed 0.47 min (median (min–max) over 2 repetition(s))."
     )
+
+
+def test_time_to_quality_clocks_the_slowest_rank_and_compares_the_payloads():
+    records = ttq_records(CURVES["FSDP"][0])
+    for step in records[1]["steps"]:  # rank 1 two seconds behind rank 0 at every step
+        step["train_clock_s"] += 2
+    late = ttq.run_summary(records, BUDGET_S, 1)  # 7.5 at 26 s, 7 at 34 s (rank 0's clock alone: 7.25)
+    assert (late["loss_at_budget"], late["steps_in_budget"], late["train_clock_at_stop_s"]) == (7.375, 3, 34.0)
+
+    curves = {"FL+FSDP": CURVES["FSDP"], ttq.INT8: CURVES["FSDP lr ×2"], ttq.TOPK: CURVES["FL+FSDP"]}
+    runs = [{"methods": {m: ttq.run_summary(ttq_records(c[rep]), BUDGET_S, 1) for m, c in curves.items()}}
+            for rep in range(2)]  # fmt: skip
+    results = {"summary": ttq.combine(runs, tuple(curves), BUDGET_S, baselines=("FL+FSDP",)),
+               "baselines": ["FL+FSDP"]}  # fmt: skip
+    # FL+FSDP's 7.25 and 7.5 at the budget: int8 reaches them at 20 and 16 s, topk at 7 and 6 s
+    assert ttq.payload_sentence(results) == (
+        "FL+FSDP overlap topk 1% reached FL+FSDP's perplexity at the budget 2.76 (2.67–2.86)× sooner than FL+FSDP "
+        "overlap int8 (int8's time ÷ topk's, per repetition: 2.86, 2.67); target ≥ 1.5× in every repetition: met."
+    )
+    assert ttq.headline({**results, "budget_s": BUDGET_S}) is None  # FL+FSDP as the target has no counterpart
+    with pytest.raises(ValueError, match="--target FSDP did not run: add it to --methods"):
+        ttq.config_from_args(ttq.make_parser().parse_args(["--methods", "FL+FSDP", "--target", "FSDP"]))
 
 
 def test_time_to_quality_on_three_tiers_measures_fl_hsdp_against_hsdp_first():
