@@ -12,7 +12,8 @@ the offline Shakespeare corpus with the model's own tokenizer, through recipes/p
   (``--max_steps 0 --num_train_epochs 0``), on the same eval set, once;
 - on request (``--methods``), FL+FSDP topk 1%: FL+FSDP with the sparse payload (``--fed_sync_dtype topk``, 1% of
   each chunk of 4096 values, 2 bits, plain error feedback), against FL+FSDP's fp32 FedAvg at the same seed, with
-  the inter-group bytes each rank sent per averaging (the trainer's ``fed_inter_group_bytes`` ÷ ``fed_syncs``).
+  the inter-group bytes rank 0 sent per averaging (its ``fed_inter_group_bytes`` and ``fed_syncs``, step 0's plain
+  mean left out).
 
 Both methods share every hyperparameter (per-device batch, AdamW at a constant learning rate, clipping, seed, hence
 data order), so they read the same tokens per step: 2 ranks × batch × block size. FL+FSDP's groups step on half of
@@ -51,7 +52,7 @@ from pathlib import Path
 
 from benchmarks.harness import REPO, process_tree
 from benchmarks.harness.methods import busy_cpu_s, machine_load, others_cpu
-from benchmarks.harness.report import median_range, run_record_lines, save_figure, spread
+from benchmarks.harness.report import bytes_per_averaging, median_range, run_record_lines, save_figure, spread
 from benchmarks.harness.study import Study, new_parser, rewrite, validated
 from hf_fedshard.tools.cost import leonardo_setting, llama_parameters, paper_setting, speedups
 from hf_fedshard.tools.models import SMOLLM2
@@ -199,7 +200,6 @@ def run_one(cfg: PretrainedConfig, method: str, seed: int, work: Path) -> dict:
     (out / "model.safetensors").unlink(missing_ok=True)  # 538 MB per run, of no use to the study
     layout = next((line for line in log.splitlines() if "WORLD_SIZE(" in line), "")
     steps = cfg.steps if method != "base" else 0
-    fed = next((h for h in reversed(history) if "fed_syncs" in h), {})
     print(f"  {method:<8} seed {seed}: eval ppl {math.exp(metrics['eval_loss']):.2f} ({wall_s:.0f} s)", flush=True)
     return {
         "method": method, "seed": seed, "steps": steps, "tokens": steps * cfg.tokens_per_step,
@@ -207,7 +207,7 @@ def run_one(cfg: PretrainedConfig, method: str, seed: int, work: Path) -> dict:
         "train_runtime_s": metrics["train_runtime"], "s_per_step": metrics["train_runtime"] / steps if steps else None,
         "eval_runtime_s": metrics["eval_runtime"], "wall_s": round(wall_s, 1),
         "train_losses": [h["loss"] for h in history if "loss" in h],
-        "bytes_per_averaging": fed["fed_inter_group_bytes"] / fed["fed_syncs"] if fed.get("fed_syncs") else None,
+        "bytes_per_averaging": bytes_per_averaging(history),
         "setup": setup, "layout_line": layout.removeprefix("hf_fedshard: "),
         "peak_rss_bytes_per_rank": [peaks[r] for r in sorted(peaks)],
         "load_1_5_15_before": [round(x, 2) for x in load_before], **others_cpu(cpu, wall_s),

@@ -58,7 +58,15 @@ from benchmarks.harness.methods import (
     shared_args,
     train_on_localhost,
 )
-from benchmarks.harness.report import median_range, new_axes, run_record_lines, save_figure, spread, variant_settings
+from benchmarks.harness.report import (
+    bytes_per_averaging,
+    median_range,
+    new_axes,
+    run_record_lines,
+    save_figure,
+    spread,
+    variant_settings,
+)
 from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite, validated
 
 REFERENCE = "FL+FSDP"  # blocking fp32 FedAvg, the paper's
@@ -170,16 +178,6 @@ def train(cfg: StreamQualityConfig, name: str, seed: int, data: Path, work: Path
            "bytes_per_averaging": bytes_per_averaging(record["log_history"])}  # fmt: skip
     kept.write_text(json.dumps({"args": args, "run": run}))
     return run
-
-
-def bytes_per_averaging(log_history: list[dict]) -> float | None:
-    """Rank 0's ``fed_inter_group_bytes`` per averaging after step 0's (the initial weights' plain fp32 mean), from
-    the first and last logs that count averagings."""
-    counted = [e for e in log_history if "fed_syncs" in e]
-    if len(counted) < 2 or counted[-1]["fed_syncs"] == counted[0]["fed_syncs"]:
-        return None
-    first, last = counted[0], counted[-1]
-    return (last["fed_inter_group_bytes"] - first["fed_inter_group_bytes"]) / (last["fed_syncs"] - first["fed_syncs"])
 
 
 # ---- the figures: pure functions of the runs (tests/unit/test_benchmarks.py feeds them synthetic runs) ----

@@ -56,6 +56,17 @@ def base_method(method: str) -> str:
     return VARIANTS[method][0] if method in VARIANTS else method
 
 
+def bytes_per_averaging(log_history: list[dict]) -> float | None:
+    """A rank's ``fed_inter_group_bytes`` per averaging after step 0's (the initial weights' plain fp32 mean), from
+    the first and last logs that count averagings (an evaluation of the global model between averagings adds its
+    own plain mean: evaluate on averaged steps)."""
+    counted = [e for e in log_history if "fed_syncs" in e]
+    if len(counted) < 2 or counted[-1]["fed_syncs"] == counted[0]["fed_syncs"]:
+        return None
+    first, last = counted[0], counted[-1]
+    return (last["fed_inter_group_bytes"] - first["fed_inter_group_bytes"]) / (last["fed_syncs"] - first["fed_syncs"])
+
+
 def variant_settings(method: str) -> dict[str, str]:
     """A variant's fed settings by name, without the leading dashes (empty for a plain method)."""
     args = VARIANTS[method][1] if method in VARIANTS else []
