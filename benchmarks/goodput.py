@@ -41,6 +41,8 @@ says whether the groups ended on one model. The paths (``--paths``, default ``to
   written synchronously or in the background (``--fed_async_checkpoint``): with ``--faults full``, what checkpointing
   more often saves a full restart, and what it costs without failures. Their table splits each full restart's seconds
   lost per group into the study's (R and the stagger), the start-up's and the rollback's;
+- ``torchft-forked``: torchft launched by ``python -m hf_fedshard.launch`` instead of torchrun (the same flags):
+  the workers it starts, and those it restarts after a ``worker`` fault, are forked after the imports;
 - ``mesh``: today's path, one job of 4 nodes (``torchrun --nnodes 4 --rdzv-backend c10d --max-restarts 100``) with
   ``--fed_auto_resume`` and a checkpoint every K = 16 steps: a killed group stops every group, torchrun restarts
   the whole job once the node is back, and it resumes from the newest checkpoint.
@@ -90,7 +92,10 @@ PATHS = {
     # step every group published), synchronous or written in the background: what a full restart rolls back.
     "torchft-save4": ("torchft", ["--save_steps", "4", "--save_total_limit", "4"]),
     "torchft-async4": ("torchft", ["--save_steps", "4", "--save_total_limit", "4", "--fed_async_checkpoint", "true"]),
+    # torchft launched by `python -m hf_fedshard.launch`: a restarted worker is forked after the imports.
+    "torchft-forked": ("torchft", []),
 }
+LAUNCHER = {"torchft-forked": "hf_fedshard.launch"}  # the others: torchrun (torch.distributed.run)
 FASTER_PATHS = ("torchft-overlap-int8",)  # meant to train faster than blocking torchft: its tokens/s target
 FAULTS = ("worker", "launch", "full")
 LOSSES = ("imposed_s", "startup_s", "rollback_s")  # a full restart's seconds lost per group (`full_restart_losses`)
@@ -177,7 +182,8 @@ def launch_commands(cfg: GoodputConfig, path: str, data: Path, run_dir: Path, re
     if elastic(path):
         return [faults.torchrun(cfg.ranks_per_group, [*train_args(cfg, data, run_dir, f"group{g}"), *extra,
                 "--fed_transport", "torchft", "--fed_lighthouse", rendezvous, "--fed_group_id", str(g),
-                "--fed_num_groups", str(cfg.groups)], max_restarts=100) for g in range(cfg.groups)]  # fmt: skip
+                "--fed_num_groups", str(cfg.groups)], max_restarts=100,
+                launcher=LAUNCHER.get(path, "torch.distributed.run")) for g in range(cfg.groups)]  # fmt: skip
     args = [*train_args(cfg, data, run_dir, "job"), *extra, "--fed_group_size", str(cfg.ranks_per_group)]
     return [faults.torchrun(cfg.ranks_per_group, args, rendezvous, g, cfg.groups, max_restarts=100)
             for g in range(cfg.groups)]  # fmt: skip

@@ -41,13 +41,15 @@ def start_torchrun(
     max_restarts: int = 0,
     preloaded: bool = True,
     env: dict[str, str] | None = None,
+    forked: bool = False,
 ) -> subprocess.Popen:
     """Start ``script`` on ``nproc`` local CPU ranks (output piped); `finish` waits for it.
 
     ``preloaded`` forks the workers from a launcher that imported the libraries once (tests/preloaded_torchrun.py);
     the launcher too is forked, from one server per session (``HF_FEDSHARD_LAUNCH_SERVER=0`` forks it from the
     test process's own fresh interpreter instead). False starts each rank in a fresh interpreter, as plain torchrun
-    does (every launch does with ``HF_FEDSHARD_PLAIN_TORCHRUN=1``).
+    does (every launch does with ``HF_FEDSHARD_PLAIN_TORCHRUN=1``). ``forked`` launches as a user would with
+    ``python -m hf_fedshard.launch`` (its own interpreter, its workers forked from it).
 
     With ``max_restarts``, torchrun restarts the whole job after a failure; its rendezvous store is then not
     shared with the workers, whose restarted process groups would otherwise read the dead ones' addresses
@@ -58,7 +60,9 @@ def start_torchrun(
     torchrun_args = ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", str(script),
                      *map(str, args)]  # fmt: skip
     env = launch_env(**{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1" if max_restarts else "0", **(env or {})})
-    if preloaded and os.environ.get("HF_FEDSHARD_LAUNCH_SERVER", "1") == "1":
+    if forked:
+        cmd = [sys.executable, "-m", "hf_fedshard.launch", *torchrun_args]
+    elif preloaded and os.environ.get("HF_FEDSHARD_LAUNCH_SERVER", "1") == "1":
         server, env["HF_FEDSHARD_LAUNCH_PIDS"] = _launch_server()
         cmd = [sys.executable, "-S", str(REPO / "tests" / "launch_client.py"), server, *torchrun_args]
     elif preloaded:
@@ -254,9 +258,10 @@ def start_group(
     address: str,
     max_restarts: int = 0,
     preloaded: bool = True,
+    forked: bool = False,
 ) -> subprocess.Popen:
     """Start group ``group`` of a torchft federation running tests/scripts/train_tiny.py (dumps in ``dump{G}``)."""
     elastic = ["--fed_transport", "torchft", "--fed_lighthouse", address, "--fed_group_id", group,
                "--fed_num_groups", num_groups]  # fmt: skip
     script_args = ["--output_dir", out_dir, "--dump_dir", out_dir / f"dump{group}", *SGD, *elastic, *args]
-    return start_torchrun(nproc, SCRIPTS / "train_tiny.py", script_args, max_restarts, preloaded)
+    return start_torchrun(nproc, SCRIPTS / "train_tiny.py", script_args, max_restarts, preloaded, forked=forked)

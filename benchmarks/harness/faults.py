@@ -70,14 +70,15 @@ class ClusterNodes:
 
 
 def torchrun(nproc: int, args: Sequence[str], rendezvous: str | None = None, node_rank: int = 0, nodes: int = 1,
-             max_restarts: int = 0) -> list[str]:  # fmt: skip
+             max_restarts: int = 0, launcher: str = "torch.distributed.run") -> list[str]:  # fmt: skip
     """One launch of bench_train.py: ``--standalone`` (a torchft group), or node ``node_rank`` of ``nodes`` of one job
-    whose c10d rendezvous is at ``rendezvous`` (HOST:PORT; ``mesh``, restarted as a whole by ``max_restarts``)."""
+    whose c10d rendezvous is at ``rendezvous`` (HOST:PORT; ``mesh``, restarted as a whole by ``max_restarts``);
+    ``launcher``: torchrun's module, or ``hf_fedshard.launch`` (the same flags, workers forked after the imports)."""
     where = ["--standalone"]
     if rendezvous is not None:
         where = [f"--nnodes={nodes}", f"--node_rank={node_rank}", "--rdzv-backend=c10d"]
         where.append(f"--rdzv-endpoint={rendezvous}")
-    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc}",
+    return [sys.executable, "-m", launcher, *where, f"--nproc_per_node={nproc}",
             f"--max-restarts={max_restarts}", str(TRAIN_SCRIPT), *args]  # fmt: skip
 
 

@@ -131,8 +131,10 @@ def test_a_killed_group_leaves_and_heals_back_while_the_others_go_on(tmp_path):
 def test_every_setting_at_once_survives_a_killed_group(tmp_path):
     """3 groups × 2 ranks on torchft with overlap, int8, Nesterov and speed-aware rounds, H = 4, 24 steps: group 2
     is slowed (0.4 s more per trained step), so it trains a prefix of each round; group 1's rank 0 is SIGKILLed as
-    step 6 begins and plain torchrun restarts the group, which heals from a live group at an apply step. Every
-    group ends on one model (the sha256 of its exported weights) with the same averaging count."""
+    step 6 begins and its launcher, `python -m hf_fedshard.launch` (a user's command), restarts the group by forking
+    its workers again, without their imports; the others run on plain torchrun. The restarted group heals from a
+    live group at an apply step. Every group ends on one model (the sha256 of its exported weights) with the same
+    averaging count."""
     common = [*TINY, "--num_samples", "256", "--max_steps", "24", "--fed_sync_steps", "4", "--fed_sync_overlap", "1",
               "--fed_sync_dtype", "int8", "--fed_outer_optimizer", "nesterov", "--fed_round_policy", "speed",
               "--step_sleep_s", "0.1", "--slow_group", "2", "--slow_step_s", "0.4",
@@ -143,12 +145,15 @@ def test_every_setting_at_once_survives_a_killed_group(tmp_path):
     with lighthouse(min_groups=1) as address:
         launches = [
             start_group(g, 3, 2, tmp_path, [*common, "--export_dir", tmp_path / f"export{g}", *(kill if g == 1 else
-                        hold)], address, max_restarts=int(g == 1), preloaded=False)
+                        hold)], address, max_restarts=int(g == 1), preloaded=False, forked=g == 1)
             for g in range(3)
         ]  # fmt: skip
         results = [finish(launch, 600) for launch in launches]
     for g, result in enumerate(results):
         assert result.returncode == 0, f"group {g}:\n{result.stdout[-6000:]}"
+    imports = re.findall(r"hf_fedshard: start-up [\d.]+ s to the first trained step: interpreter and imports "
+                         r"([\d.]+) s", results[1].stdout)  # fmt: skip
+    assert imports == ["0.0", "0.0"], results[1].stdout[-6000:]  # both launches' workers forked after the imports
     dumps = [torch.load(tmp_path / f"dump{g}" / "rank0.pt", weights_only=False) for g in range(3)]
     assert dumps[1]["started_at_step"] > 6 and [dumps[g]["started_at_step"] for g in (0, 2)] == [0, 0]
     ends = [next(h for h in d["log_history"] if "train_runtime" in h) for d in dumps]

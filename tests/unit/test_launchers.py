@@ -1,5 +1,6 @@
-"""The test launcher's own promise: tests/preloaded_torchrun.py uses torchrun's and CPython's internals, and an
-upgrade that moves one must fail here, by name, rather than run the suite's ranks some other way."""
+"""The forking launcher's own promise (`hf_fedshard.launch`, which tests/preloaded_torchrun.py serves): it uses
+torchrun's and CPython's internals, and an upgrade that moves one must fail here, by name, rather than run ranks some
+other way; what a fork cannot run is refused in one line."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import threading
 import pytest
 import torch.distributed.run
 
-from .. import preloaded_torchrun
+from hf_fedshard import launch
 
 
 def test_this_torch_and_python_have_what_the_preloaded_launcher_uses():
-    preloaded_torchrun.require_internals()
+    launch.require_internals()
 
 
 @pytest.mark.parametrize(
@@ -32,5 +33,12 @@ def test_a_moved_internal_is_named_with_the_way_out(module, name, message, monke
         message = "config_from_args no longer runs run_script_path"
     else:
         monkeypatch.delattr(module, name)
-    with pytest.raises(RuntimeError, match=rf"{message}.*HF_FEDSHARD_PLAIN_TORCHRUN=1"):
-        preloaded_torchrun.require_internals()
+    with pytest.raises(RuntimeError, match=rf"{message}.*Launch with torchrun instead"):
+        launch.require_internals()
+
+
+@pytest.mark.parametrize(("flag", "argv"), [("-m", ["-m", "train"]), ("--no-python", ["--no-python", "train.sh"])])
+def test_what_a_forked_worker_cannot_run_is_refused_in_one_line(flag, argv):
+    with pytest.raises(SystemExit, match=rf"^hf_fedshard.launch: {flag} is not supported .* launch with torchrun\.$"):
+        launch.refuse_unforkable(["--standalone", "--nproc_per_node", "2", *argv])
+    launch.refuse_unforkable(["--nproc_per_node", "2", "train.py", "-m", "x"])  # the script's own -m is its business
