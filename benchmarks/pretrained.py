@@ -293,8 +293,8 @@ def markdown(results: dict) -> str:
         f"through recipes/pretrain_clm.py, torchrun with {PROCESSES} processes (gloo, CPU): {cfg['steps']} optimizer "
         f"steps of {PROCESSES} ranks × {cfg['batch_size']} × {cfg['block_size']} tokens ({tokens:,} tokens per run), "
         f"AdamW at a constant {cfg['learning_rate']:g}, clipping {cfg['max_grad_norm']:g}, no weight decay; FL+FSDP: "
-        f"{PROCESSES} groups × 1 rank, FedAvg every {cfg['sync_steps']} steps; FSDP: one FSDP2 group of {PROCESSES} "
-        f"ranks. Eval perplexity on the first {cfg['eval_samples']} blocks of the held-out plays "
+        f"{PROCESSES} groups × 1 rank, FedAvg every {cfg['sync_steps']} steps{_others(cfg)}. Eval "
+        f"perplexity on the first {cfg['eval_samples']} blocks of the held-out plays "
         f"({cfg['eval_samples'] * cfg['block_size']:,} tokens) after the last step: median (min–max) over seeds "
         f"{', '.join(map(str, cfg['seeds']))}; base: the model before training, same eval set. s/step: the trainer's "
         "train_runtime ÷ steps. Peak RSS: each rank's peak resident memory, median (min–max) over ranks and seeds.",
@@ -350,6 +350,14 @@ def markdown(results: dict) -> str:
     ]
     lines += run_record_lines(results)
     return "\n".join(lines)
+
+
+def _others(cfg: dict) -> str:
+    """The description of the runs beside FL+FSDP's fp32 FedAvg: FSDP's layout, the sparse payload's settings."""
+    methods = cfg.get("methods", METHODS)
+    return ("; FSDP: one FSDP2 group of 2 ranks" if "FSDP" in methods else "") + (
+        f"; {TOPK}: the same with {' '.join(PAYLOAD[TOPK])} (chunks of 4,096 values, plain error feedback)"
+        if TOPK in methods else "")  # fmt: skip
 
 
 def _bytes_cell(value: float | None) -> str:
