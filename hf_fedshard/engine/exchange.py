@@ -72,19 +72,21 @@ def mean_over_groups(
 ) -> tuple[torch.Tensor, int]:
     """The mean of flat fp32 ``x`` over the ``fed`` peers (``contributors`` of them send non-zero values).
 
-    Returns the mean (a new tensor, ``x``'s length) and the payload bytes this rank sent, scales included.
+    Returns the mean (a new tensor, ``x``'s length) and the bytes this rank sent to the other groups, scales
+    included: a reduce-scatter and an all-gather each send (G − 1)/G of the payload (the fp32 all-reduce counted as
+    the ring's, whatever algorithm gloo or NCCL picks), so the payload once at G = 2 and 1.5 times at G = 4.
     """
+    groups = fed.size()
     if sync_dtype == "float32":
         total = x.float().clone()
         fed.all_reduce_sum(total)
-        return total.div_(contributors), total.numel() * total.element_size()
-    groups = fed.size()
+        return total.div_(contributors), 2 * (groups - 1) * total.numel() * total.element_size() // groups
     padded = _pad(x.float(), groups * alignment(sync_dtype))
     payload = encode(padded, sync_dtype)
     received = _all_to_all(fed, payload)  # row g: group g's copy of the chunk this rank owns
-    owned = decode(received).view(groups, -1).sum(dim=0).div_(contributors)
-    gathered = _all_gather(fed, encode(owned, sync_dtype))
-    return decode(gathered)[: x.numel()], payload.nbytes
+    owned = encode(decode(received).view(groups, -1).sum(dim=0).div_(contributors), sync_dtype)
+    gathered = _all_gather(fed, owned)
+    return decode(gathered)[: x.numel()], (groups - 1) * (payload.nbytes // groups + owned.nbytes)
 
 
 def split_mean_over_groups(

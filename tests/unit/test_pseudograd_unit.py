@@ -73,6 +73,15 @@ def test_exchange_bytes_shrink_with_the_wire_dtype(dtype, ratio):
     assert sent == [fp32 // ratio + scales] * 2
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_a_rank_sends_its_payload_one_and_a_half_times_at_four_groups(dtype):
+    numel = 4 * 4 * INT8_BLOCK
+    xs = payloads(4, numel=numel)
+    sent = run_ranks(4, lambda comm: mean_over_groups(xs[comm.rank()], comm, 4, dtype)[1])
+    payload = {"float32": 4 * numel, "bfloat16": 2 * numel, "int8": numel + 4 * numel // INT8_BLOCK}[dtype]
+    assert sent == [3 * payload // 2] * 4  # a reduce-scatter and an all-gather, each 3/4 of the payload
+
+
 def test_split_exchange_equals_the_unsplit_one_with_bytes_divided_by_the_replicas():
     """2 groups × 2 replicas: world rank = group × 2 + replica; replicas of a group hold the same payload."""
     xs = payloads(2, numel=999)
