@@ -9,7 +9,10 @@ group therefore stops at the same step, the first evaluated step at or past the 
 cut at the budget (the eval loss, the log of the perplexity, interpolated linearly in the clock between the two
 evaluations around it). Evaluation time is excluded from the clock and from the budget. Evaluations fall on
 averaged steps (multiples of H), except for the overlapped variant: its exchange started at such a step would
-finish inside the evaluation, outside the clock, so it is evaluated τ = 1 step later, after the apply.
+finish inside the evaluation, outside the clock, so it is evaluated τ = 1 step later, after the apply. There the
+groups' models differ by that step, and the evaluation lends their plain fp32 mean: one fp32 exchange per evaluation,
+outside the clock but not outside the wall time (about 9 s per evaluation of `tiny` at 10 Mbit/s: evaluate every 16
+steps there, and give ``--timeout-s`` room).
 
 Methods (the same hyperparameters for all: per-device batch, lr, AdamW, clipping, H, data, initialisation):
 FSDP, HSDP, FL+FSDP (blocking fp32 FedAvg, the paper's), FL+FSDP overlap (the best measured settings, see
