@@ -155,7 +155,10 @@ def test_every_setting_at_once_survives_a_killed_group(tmp_path):
                          r"([\d.]+) s", results[1].stdout)  # fmt: skip
     assert imports == ["0.0", "0.0"], results[1].stdout[-6000:]  # both launches' workers forked after the imports
     dumps = [torch.load(tmp_path / f"dump{g}" / "rank0.pt", weights_only=False) for g in range(3)]
-    assert dumps[1]["started_at_step"] > 6 and [dumps[g]["started_at_step"] for g in (0, 2)] == [0, 0]
+    # healed at an apply step (τ = 1 after H = 4): step 5's, if the forked restart was back before the others' next
+    # averaging (the quorum they redo it in), a later one otherwise
+    healed = dumps[1]["started_at_step"]
+    assert healed >= 5 and healed % 4 == 1 and [dumps[g]["started_at_step"] for g in (0, 2)] == [0, 0], healed
     ends = [next(h for h in d["log_history"] if "train_runtime" in h) for d in dumps]
     assert len({end["fed_syncs"] for end in ends}) == 1, [end["fed_syncs"] for end in ends]
     assert [end["fed_heals"] for end in ends] == [1, 1, 1]  # the federation's heals, as each group saw them
