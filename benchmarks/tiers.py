@@ -48,7 +48,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-mbit", type=float, help="Node link rate, Mbit/s each way (default 100; 1000 in racks).")
     p.add_argument("--racks", type=int, help="Racks of nodes (three-tier only; default 2).")
     p.add_argument("--rack-rate-mbit", type=float, help="Rack uplink rate, Mbit/s each way (three-tier; 100).")
-    p.add_argument("--methods", nargs="+", help=f"Subset of {', '.join(FULL_METHODS)}.")
+    p.add_argument("--methods", nargs="+", help=f"Subset of {', '.join(FULL_METHODS)}.".replace("%", "%%"))  # argparse
     p.add_argument("--steps", type=int, help="Optimizer steps per method (default 48; 24 with --quick).")
     p.add_argument("--sync-steps", type=int, default=8, help="H for every method that averages.")
     p.add_argument("--eval-steps", type=int, help="Evaluate every this many steps (default 16; 8 with --quick).")

@@ -366,7 +366,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--methods",
         nargs="+",
         choices=(*METHODS, INT8, TOPK),
-        help=f"Default: all but {INT8} and {TOPK} (quick: the five above).",
+        help=f"Default: all but {INT8} and {TOPK} (quick: the five above).".replace("%", "%%"),  # argparse's % format
     )
     p.add_argument(
         "--target",
