@@ -355,7 +355,7 @@ def markdown(results: dict) -> str:
 def _others(cfg: dict) -> str:
     """The description of the runs beside FL+FSDP's fp32 FedAvg: FSDP's layout, the sparse payload's settings."""
     methods = cfg.get("methods", METHODS)
-    return ("; FSDP: one FSDP2 group of 2 ranks" if "FSDP" in methods else "") + (
+    return (f"; FSDP: one FSDP2 group of {PROCESSES} ranks" if "FSDP" in methods else "") + (
         f"; {TOPK}: the same with {' '.join(PAYLOAD[TOPK])} (chunks of 4,096 values, plain error feedback)"
         if TOPK in methods else "")  # fmt: skip
 

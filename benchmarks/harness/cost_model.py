@@ -20,10 +20,10 @@ OUTER_STATE_BYTES = 8  # an outer optimizer's fp32 anchor and momentum (DiLoCo-s
 def sync_bytes_per_value(sync_dtype: str, settings: dict[str, str] | None = None) -> float:
     """b_s: payload bytes per averaged value for ``fed_sync_dtype`` (int8 carries one fp32 scale per block; topk
     its codes, indices and chunk scales at the density, bits and chunk of ``settings``, fed settings by name)."""
-    if sync_dtype == "topk":
-        given = {k.removeprefix("fed_sync_"): v for k, v in (settings or {}).items() if k.startswith("fed_sync_")}
-        return topk_bytes_per_value(SparseCodec(float(given.get("density", 0.01)), int(given.get("bits", 2)),
-                                                int(given.get("chunk", 4096))))  # fmt: skip
+    if sync_dtype == "topk":  # the settings given, the codec's defaults for the others
+        given = {name: cast(settings[f"fed_sync_{name}"]) for name, cast in (("density", float), ("bits", int),
+                 ("chunk", int)) if f"fed_sync_{name}" in (settings or {})}  # fmt: skip
+        return topk_bytes_per_value(SparseCodec(**given))
     return {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}[sync_dtype]
 
 
