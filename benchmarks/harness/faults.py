@@ -69,6 +69,9 @@ class ClusterNodes:
         return self.cluster.address(node)
 
 
+LAUNCHERS = (b"torch.distributed.run", b"hf_fedshard.launch")  # torchrun, and torchrun with forked workers
+
+
 def torchrun(nproc: int, args: Sequence[str], rendezvous: str | None = None, node_rank: int = 0, nodes: int = 1,
              max_restarts: int = 0, launcher: str = "torch.distributed.run") -> list[str]:  # fmt: skip
     """One launch of bench_train.py: ``--standalone`` (a torchft group), or node ``node_rank`` of ``nodes`` of one job
@@ -103,9 +106,11 @@ def start_lighthouse(hosts: Hosts, node: int, log: Path, join_timeout_s: float =
 
 def kill_worker(proc: subprocess.Popen) -> int:
     """SIGKILL one worker of a launch (the lowest-numbered child of its torchrun, rank 0 as a rule), leaving torchrun
-    to restart the group's workers as it does after a crash; the worker's pid."""
+    to restart the group's workers as it does after a crash; the worker's pid. The agent is the topmost process
+    naming a launcher: ``hf_fedshard.launch``'s workers are forked from it and bear its command line."""
     children = process_children()  # below the launch's keeper, whose own command line names torchrun too
-    agents = [pid for pid in descendants(proc.pid, children=children) if b"torch.distributed.run" in cmdline(pid)]
+    below = descendants(proc.pid, children=children)  # an ancestor before its descendants
+    agents = [pid for pid in below if any(name in cmdline(pid) for name in LAUNCHERS)]
     workers = children.get(agents[0], []) if agents else []
     if not workers:
         raise RuntimeError(f"the launch {proc.pid} has no worker to kill (it ended with {proc.poll()})")

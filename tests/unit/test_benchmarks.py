@@ -665,8 +665,10 @@ def test_a_full_restarts_loss_is_split_into_the_studys_the_start_ups_and_the_rol
         return {"path": path, "fault": "full", "lost_startup_s": {"median": startup},
                 "lost_rollback_s": {"median": rollback}}  # fmt: skip
 
-    (target,) = goodput.restart_share_targets([row("torchft", 20.0, 10.0), row("torchft-async4", 12.0, 3.0)])
-    assert (target["measured"], target["met"]) == (15.0, True) and "≤ half torchft's (15.0 s)" in target["target"]
+    cut, both = goodput.restart_share_targets([row("torchft", 20.0, 10.0), row("torchft-async4", 12.0, 3.0),
+                                                row("torchft-forked-async4", 12.0, 3.5)])  # fmt: skip
+    assert (cut["measured"], cut["met"]) == (15.0, True) and "≤ half torchft's (15.0 s)" in cut["target"]
+    assert (both["measured"], both["met"]) == (15.5, False) and both["target"].startswith("torchft-forked-async4")
     assert goodput.restart_share_targets([row("torchft-async4", 12.0, 3.0)]) == []
 
 
@@ -907,6 +909,10 @@ def test_goodput_targets_hold_each_torchft_path_to_its_own_runs_and_its_tokens_t
         goodput.GoodputConfig(paths=("torchft", "torchft")).validate()
     alone = goodput.targets([r for r in rows if r["path"] != "torchft"], replace(cfg, paths=("torchft-overlap-int8",)))
     assert alone and not any("tokens/s" in t["target"] for t in alone)  # no blocking path to compare with
+    forked = [row("torchft-forked", None, 1000.0, 30.0), row("torchft-forked", "worker", 990.0, 30.0, back=9.5)]
+    targets = {t["target"]: t for t in goodput.targets(forked, replace(cfg, paths=("torchft-forked",)))}
+    worker = targets["torchft-forked, worker faults every 120 s: restarted worker back ≤ 9 s"]
+    assert (worker["measured"], worker["met"]) == (9.5, False)  # its own target, beside start-up + one averaging
     assert goodput.elastic("torchft-overlap-int8") and not goodput.elastic("mesh")
 
 
