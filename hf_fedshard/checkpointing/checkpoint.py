@@ -338,8 +338,10 @@ def check_model_matches(saved: dict[str, Any], current: dict[str, Any], checkpoi
         )
 
 
-def _remove_staging_folders(run_dir: str) -> None:
+def remove_staging_folders(run_dir: str) -> None:
     """Delete what jobs killed while saving left behind (no other save can be running: all ranks are here)."""
+    if not os.path.isdir(run_dir):
+        return
     for name in os.listdir(run_dir):
         if name.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR):
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
@@ -352,7 +354,7 @@ def open_staging(final_dir: str, is_writer: bool) -> str:
     staging = os.path.join(run_dir, STAGING_PREFIX + name)
     if is_writer:
         os.makedirs(run_dir, exist_ok=True)
-        _remove_staging_folders(run_dir)
+        remove_staging_folders(run_dir)
         os.makedirs(staging)
     dist.barrier()
     return staging
