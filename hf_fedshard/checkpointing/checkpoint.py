@@ -87,9 +87,11 @@ def complete_checkpoints(output_dir: str | Path) -> list[str]:
 
 def steps_every_group_has(output_dir: str) -> set[int] | None:
     """The checkpoint steps present in every group's folder beside ``output_dir`` (``…/fed_group{G}``), or
-    ``None`` where no other group's folder is visible (no shared file system: each group resumes its own)."""
+    ``None`` where no other group's folder is visible (no shared file system: each group resumes its own; or a first
+    run, whose folders another rank has not made yet)."""
     parent = os.path.dirname(os.path.abspath(output_dir))
-    groups = [os.path.join(parent, name) for name in os.listdir(parent) if name.startswith("fed_group")]
+    names = os.listdir(parent) if os.path.isdir(parent) else []
+    groups = [os.path.join(parent, name) for name in names if name.startswith("fed_group")]
     if len(groups) < 2:
         return None
     sets = [{int(c.rsplit("-", 1)[-1]) for c in complete_checkpoints(g)} for g in groups]

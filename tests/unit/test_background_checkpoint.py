@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from hf_fedshard.checkpointing import stall as stall_module
 from hf_fedshard.checkpointing.background import RANKS_DIR, BackgroundCheckpointer, CheckpointWriteError, Phase
-from hf_fedshard.checkpointing.checkpoint import latest_complete_checkpoint, publish
+from hf_fedshard.checkpointing.checkpoint import latest_complete_checkpoint, publish, steps_every_group_has
 from hf_fedshard.checkpointing.manifest import (
     describe_files,
     describe_share,
@@ -24,6 +25,7 @@ from hf_fedshard.checkpointing.manifest import (
     read_manifest,
     write_manifest_entries,
 )
+from hf_fedshard.checkpointing.stall import SaveStall
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -139,3 +141,31 @@ def test_a_failed_save_publishes_nothing_and_fails_the_wait_in_one_line(group_of
     assert not final.exists() and latest_complete_checkpoint(tmp_path) is None
     reason = (marks / "rank0.failed").read_text()  # what the writer (and a reader of the folder) learns
     assert reason.split(": ", 1)[1] in str(raised.value)
+
+
+def test_a_stall_part_excludes_the_parts_timed_inside_it_and_adds_up_repeats(monkeypatch):
+    """A save's stall, on a fake clock: the host copies (twice, 0.5 + 0.25 s) inside 8 s of state dicts and small
+    files leave those 7.25 s of their own; the total is every part's, once."""
+    ticks = iter([0.0, 1.0, 3.0, 4.0, 4.5, 6.0, 6.25, 11.0])
+    monkeypatch.setattr(stall_module.time, "perf_counter", lambda: next(ticks))
+    stall = SaveStall(8)
+    with stall.part("previous write"):
+        pass
+    with stall.part("state dicts and small files"):
+        for _ in range(2):
+            with stall.part("host copies"):
+                pass
+    assert stall.parts == {"previous write": 1.0, "host copies": 0.75, "state dicts and small files": 7.25}
+    assert stall.describe() == ("checkpoint-8 stalled training 9.00 s: previous write 1.00 s, host copies 0.75 s, "
+                                "state dicts and small files 7.25 s")  # fmt: skip
+
+
+def test_the_steps_every_group_published_are_none_where_no_folder_is_there_yet(tmp_path):
+    """A first run: rank 1 may look before rank 0 made the run's folders (a race that ended a launch with
+    FileNotFoundError); groups that share a folder resume at the newest step all of them published."""
+    assert steps_every_group_has(str(tmp_path / "out_group0" / "fed_group0")) is None
+    for group, steps in ((0, (4, 8)), (1, (4, 8, 12))):
+        for step in steps:
+            (tmp_path / f"fed_group{group}" / f"checkpoint-{step}").mkdir(parents=True)
+            (tmp_path / f"fed_group{group}" / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert steps_every_group_has(str(tmp_path / "fed_group1")) == {4, 8}
