@@ -58,6 +58,14 @@ MODELS = {  # SmolLM2 on shorter, fewer samples per step: its steps on 2 shared 
     "smollm2-135m": ["--model_name_or_path", SMOLLM2, "--block_size", "64", "--per_device_train_batch_size", "1"],
 }
 MODES = {"synchronous": [], "background": ["--fed_async_checkpoint", "true"]}
+PARTS = (
+    "previous write",
+    "NaN/Inf check",
+    "host copies",
+    "state dicts and small files",
+    "writes and barriers",
+    "other",
+)  # stall.py
 TARGET_STALL_RATIO = 0.10  # issue 43: a background checkpoint stalls training ≤ 10% of the synchronous save's time
 
 
@@ -157,6 +165,7 @@ def launch_main(argv: list[str] | None = None) -> dict:
     checkpoint = latest_complete_checkpoint(args.output_dir)
     mine = {
         "save_seconds": trainer.save_seconds,
+        "stall_parts": [stall.parts for stall in trainer.fed_checkpoint_stalls],
         "waited_seconds": trainer._checkpointer.waited_s if trainer._checkpointer is not None else 0.0,
         "steps": clock.steps,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: kilobytes
@@ -222,11 +231,26 @@ def figures(run: dict) -> dict:
         chosen = [s for s, w in zip(steps, writing, strict=True) if w == flag]
         return run["tokens_per_step"] / statistics.mean(chosen) if chosen else None
 
-    return {"stall_s": statistics.mean(stalls), "stall_max_s": max(stalls), "tokens_s_writing": tokens_s(True),
+    return {"stall_s": statistics.mean(stalls), "stall_max_s": max(stalls), "parts": stall_parts(ranks),
+            "tokens_s_writing": tokens_s(True),
             "tokens_s_quiet": tokens_s(False), "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
             "waited_s": max(r["waited_seconds"] for r in ranks), "load_s": max(r["load_seconds"] for r in ranks),
             "staged_bytes": max(r["staged_bytes"] for r in ranks),
             "total_bytes": run["total_bytes"], "parameters": run["parameters"]}  # fmt: skip
+
+
+def stall_parts(ranks: list[dict]) -> dict[str, float] | None:
+    """Where the stall went: for each save, the parts of its slowest rank (the one its stall is), the seconds outside
+    them as "other"; each part's mean over the saves. ``None`` for a record without parts (an older one)."""
+    if any("stall_parts" not in r for r in ranks):
+        return None
+    saves = []
+    for i in range(len(ranks[0]["save_seconds"])):
+        slowest = max(ranks, key=lambda r: r["save_seconds"][i])
+        parts = dict(slowest["stall_parts"][i])
+        saves.append({**parts, "other": slowest["save_seconds"][i] - sum(parts.values())})
+    return {name: statistics.mean(save.get(name, 0.0) for save in saves) for name in PARTS if
+            any(name in save for save in saves)}  # fmt: skip
 
 
 def summarize(runs: list[dict], cfg: dict) -> dict:
@@ -238,8 +262,11 @@ def summarize(runs: list[dict], cfg: dict) -> dict:
         modes = {}
         for mode in MODES:
             rows = [by[(mode, i)] for i in repeats if (mode, i) in by]
-            known = [k for k in rows[0] if all(row[k] is not None for row in rows)]  # tokens/s of no write: sync
-            modes[mode] = {k: spread([row[k] for row in rows]) for k in known}
+            known = [k for k in rows[0] if k != "parts" and all(row[k] is not None for row in rows)]  # tokens/s of
+            modes[mode] = {k: spread([row[k] for row in rows]) for k in known}  # no write: synchronous only
+            if all(row["parts"] is not None for row in rows):
+                modes[mode]["parts"] = {name: spread([row["parts"].get(name, 0.0) for row in rows]) for name in
+                                        rows[0]["parts"]}  # fmt: skip
         pairs = [(by[("background", i)], by[("synchronous", i)]) for i in repeats]
         ratio = spread([b["stall_s"] / s["stall_s"] for b, s in pairs])
         out[model] = {
@@ -284,6 +311,7 @@ def markdown(results: dict) -> str:
     lines = table_head(caption, COLUMNS, "ll" + "r" * (len(COLUMNS) - 2))
     for model, summary in results["summary"].items():
         lines += [_row(model, mode, m, summary["stall_ratio"]) for mode, m in summary["modes"].items()]
+    lines += parts_table(results["summary"])
     lines.append("")
     for model, summary in results["summary"].items():
         met = "met" if summary["target"]["met"] else "not met"
@@ -292,6 +320,21 @@ def markdown(results: dict) -> str:
                      f"{median_range(summary['added_peak_rss_bytes'], '.0f', 1e-6)} MB to the largest rank's peak "
                      "memory.")  # fmt: skip
     return "\n".join(lines + run_record_lines(results))
+
+
+def parts_table(summary: dict) -> list[str]:
+    """Where each mode's stall goes, part by part (seconds per save, the slowest rank's; median (range) over the
+    repetitions); nothing for records without parts."""
+    rows = [(model, mode, m["parts"]) for model, s in summary.items() for mode, m in s["modes"].items() if "parts" in m]
+    if not rows:
+        return []
+    caption = ("\nWhere the stall goes: the parts of each save's slowest rank (`hf_fedshard/checkpointing/stall.py`), "
+               "seconds per save, median (range) over the repetitions:")  # fmt: skip
+    lines = table_head(caption, ["model", "save", *PARTS], "ll" + "r" * len(PARTS))
+    for model, mode, parts in rows:
+        cells = [median_range(parts[name], ".3f") if name in parts else "" for name in PARTS]
+        lines.append(f"| {' | '.join([model, mode, *cells])} |")
+    return lines
 
 
 def make_parser() -> argparse.ArgumentParser:

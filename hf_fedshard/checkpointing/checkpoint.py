@@ -87,9 +87,11 @@ def complete_checkpoints(output_dir: str | Path) -> list[str]:
 
 def steps_every_group_has(output_dir: str) -> set[int] | None:
     """The checkpoint steps present in every group's folder beside ``output_dir`` (``…/fed_group{G}``), or
-    ``None`` where no other group's folder is visible (no shared file system: each group resumes its own)."""
+    ``None`` where no other group's folder is visible (no shared file system: each group resumes its own; or a first
+    run, whose folders another rank has not made yet)."""
     parent = os.path.dirname(os.path.abspath(output_dir))
-    groups = [os.path.join(parent, name) for name in os.listdir(parent) if name.startswith("fed_group")]
+    names = os.listdir(parent) if os.path.isdir(parent) else []
+    groups = [os.path.join(parent, name) for name in names if name.startswith("fed_group")]
     if len(groups) < 2:
         return None
     sets = [{int(c.rsplit("-", 1)[-1]) for c in complete_checkpoints(g)} for g in groups]
@@ -338,8 +340,10 @@ def check_model_matches(saved: dict[str, Any], current: dict[str, Any], checkpoi
         )
 
 
-def _remove_staging_folders(run_dir: str) -> None:
+def remove_staging_folders(run_dir: str) -> None:
     """Delete what jobs killed while saving left behind (no other save can be running: all ranks are here)."""
+    if not os.path.isdir(run_dir):
+        return
     for name in os.listdir(run_dir):
         if name.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR):
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
@@ -352,7 +356,7 @@ def open_staging(final_dir: str, is_writer: bool) -> str:
     staging = os.path.join(run_dir, STAGING_PREFIX + name)
     if is_writer:
         os.makedirs(run_dir, exist_ok=True)
-        _remove_staging_folders(run_dir)
+        remove_staging_folders(run_dir)
         os.makedirs(staging)
     dist.barrier()
     return staging

@@ -28,13 +28,14 @@ def sha256_of(path: str) -> str:
     return digest.hexdigest()
 
 
-def list_files(root: str) -> list[str]:
-    """Every file under ``root`` (but the manifest), as sorted ``/``-separated relative paths."""
+def list_files(root: str, skip: str | None = None) -> list[str]:
+    """Every file under ``root`` (but the manifest, and those in its folder ``skip``), as sorted ``/``-separated
+    relative paths."""
     paths = []
     for folder, _, names in os.walk(root):
         for name in names:
             path = os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/")
-            if path != MANIFEST_NAME:
+            if path != MANIFEST_NAME and (skip is None or not path.startswith(skip + "/")):
                 paths.append(path)
     return sorted(paths)
 
@@ -62,9 +63,15 @@ def write_manifest(checkpoint: str, is_writer: bool) -> None:
         _dump(checkpoint, {path: entry for part in parts for path, entry in part.items()})
 
 
-def write_manifest_alone(checkpoint: str) -> None:
-    """`write_manifest` by one process, no collective: a background save's publisher hashes every file itself."""
-    _dump(checkpoint, describe_files(checkpoint, list_files(checkpoint)))
+def describe_share(checkpoint: str, rank: int, world: int, skip: str | None = None) -> dict[str, dict[str, Any]]:
+    """Rank ``rank``'s share of ``checkpoint``'s files described (every ``world``-th of the sorted listing), once no
+    file changes any more: how a background save's ranks spread the hashing without a collective."""
+    return describe_files(checkpoint, list_files(checkpoint, skip)[rank::world])
+
+
+def write_manifest_entries(checkpoint: str, files: dict[str, dict[str, Any]]) -> None:
+    """The manifest of ``checkpoint`` from entries described elsewhere (each rank's `describe_share`)."""
+    _dump(checkpoint, files)
 
 
 def _dump(checkpoint: str, files: dict[str, dict[str, Any]]) -> None:

@@ -28,6 +28,7 @@ from hf_fedshard.checkpointing.checkpoint import (
 )
 from hf_fedshard.checkpointing.reshard import DataPosition
 from hf_fedshard.checkpointing.resume import ResumeSettings, resumable_checkpoint
+from hf_fedshard.checkpointing.stall import SaveStall
 from hf_fedshard.engine import FederationCommunicator
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.arguments import FedShardTrainingArguments
@@ -99,6 +100,7 @@ class FedShardMixin(FederationMixin, CheckpointMixin, ReportingMixin, DataMixin,
         self._resumed_position: DataPosition | None = None  # where the data resumes (the record's, not the step's)
         self._last_loss = torch.tensor(math.nan)  # a step this group does not train logs its last trained loss
         self._checkpointer: BackgroundCheckpointer | None = None  # fed_async_checkpoint's writes (made in train)
+        self.fed_checkpoint_stalls: list[SaveStall] = []  # where each federated save's stall of training went
         super().__init__(*args, **kwargs)
         if self.args.fed_evaluates_groups and (
             isinstance(self.eval_dataset, dict) or not has_length(self.eval_dataset)

@@ -25,19 +25,21 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rota
 from hf_fedshard.checkpointing.averaging_state import save_averaging_state
 from hf_fedshard.checkpointing.background import BackgroundCheckpointer
 from hf_fedshard.checkpointing.checkpoint import (
+    STAGING_PREFIX,
     StateWrite,
     atomic_checkpoint,
     dcp_write,
     group_dir,
-    open_staging,
     publish,
+    remove_staging_folders,
     save_group_model,
     save_group_optimizer,
     tokenizer_fingerprint,
     write_layout_record,
 )
-from hf_fedshard.checkpointing.manifest import write_manifest_alone
+from hf_fedshard.checkpointing.manifest import write_manifest_entries
 from hf_fedshard.checkpointing.resume import load_on_every_rank
+from hf_fedshard.checkpointing.stall import SaveStall
 from hf_fedshard.engine.payload import all_finite, model_state_tensors
 from hf_fedshard.integrations.file_modes import follow_umask
 from hf_fedshard.integrations.resume_source import ResumeSource, checkpoint_source
@@ -55,8 +57,12 @@ class CheckpointMixin(Trainer):
         if self.fed_callback is None:
             return super()._save_checkpoint(model, trial)
         step = self.state.global_step
-        self._end_background_save()  # at most one in flight: the previous one is published (or failed) first
-        diverged = self._diverged_groups()
+        stall = SaveStall(step)
+        if self._checkpointer is not None:
+            with stall.part("previous write"):
+                self._end_background_save()  # at most one in flight: the previous one is published (or failed) first
+        with stall.part("NaN/Inf check"):
+            diverged = self._diverged_groups()
         if diverged:
             if self.args.should_log:
                 logger.warning(
@@ -72,37 +78,57 @@ class CheckpointMixin(Trainer):
         final_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         self._track_best_checkpoint(run_dir, step)
         if self._checkpointer is not None:
-            return self._save_in_background(final_dir, run_dir)
-        with atomic_checkpoint(final_dir, self.args.should_save) as staging:
-            self._save_federated_state(staging)
-        if self.args.push_to_hub:
-            self._push_from_checkpoint(final_dir)
-        if self.args.should_save:
-            self._rotate(run_dir, self.state.best_model_checkpoint)
+            self._save_in_background(final_dir, run_dir, stall)
+        else:
+            with stall.part("writes and barriers"), atomic_checkpoint(final_dir, self.args.should_save) as staging:
+                self._save_federated_state(staging)
+            if self.args.push_to_hub:
+                self._push_from_checkpoint(final_dir)
+            if self.args.should_save:
+                self._rotate(run_dir, self.state.best_model_checkpoint)
+        self.fed_checkpoint_stalls.append(stall)
+        if self.args.should_log:
+            logger.info("hf_fedshard: %s", stall.describe())
 
-    def _save_in_background(self, final_dir: str, run_dir: str) -> None:
-        """Stage every rank's state and write the small files now; the DCP writes and the publication (manifest,
-        rename, rotation) go on in the background (`hf_fedshard.checkpointing.background`)."""
-        staging = open_staging(final_dir, self.args.should_save)
-        self._save_federated_state(staging)
-        publisher = None  # the writer's: every other rank only writes its shards
+    def _save_in_background(self, final_dir: str, run_dir: str, stall: SaveStall) -> None:
+        """Copy every rank's state to host memory and write the small files now; the DCP writes, the hashing and the
+        publication (manifest, rename, rotation) go on in the background (`hf_fedshard.checkpointing.background`).
+        No barrier: every rank creates the staging folder (a killed run's were removed at the start)."""
+        staging = os.path.join(run_dir, STAGING_PREFIX + os.path.basename(final_dir))
+        os.makedirs(staging, exist_ok=True)
+        write = self._checkpointer.write
+
+        def copy(state: dict[str, Any], directory: str, group: Any) -> None:
+            with stall.part("host copies"):
+                write(state, directory, group)
+
+        with stall.part("state dicts and small files"):
+            self._save_federated_state(staging, copy)
+        publisher = None  # the writer's: every other rank only writes its shards and hashes its share
         if self.args.should_save:
             publisher = partial(self._publish_checkpoint, staging, final_dir, run_dir, self.state.best_model_checkpoint)
         self._checkpointer.start(staging, final_dir, publisher)
 
     def _prepare_background_saves(self) -> None:
         """With ``fed_async_checkpoint``, the writer threads' process groups, made before training (every rank at
-        once), so that the first save's stall is a save's."""
+        once), so that the first save's stall is a save's; the staging folders killed runs left are removed now,
+        since a background save has no barrier to remove them behind."""
         if not self.args.fed_async_checkpoint or self.args.save_strategy == SaveStrategy.NO:
             return
         layout = self.args.fed_launch_layout
         ranks = [list(layout.ranks_of(g)) for g in range(layout.num_groups)]
         timeout, pinned = timedelta(seconds=self.args.ddp_timeout), self.args.device.type == "cuda"
+        if self.args.should_save:
+            remove_staging_folders(self.args.output_dir)
         self._checkpointer = BackgroundCheckpointer(ranks, layout.world_size, timeout, pinned)
+        torch.distributed.barrier()  # no rank saves before the removal is done
 
-    def _publish_checkpoint(self, staging: str, final_dir: str, run_dir: str, best: str | None) -> None:
-        """The writer's last part of a background save, once every rank's shards are written (its thread)."""
-        write_manifest_alone(staging)
+    def _publish_checkpoint(
+        self, staging: str, final_dir: str, run_dir: str, best: str | None, files: dict[str, Any]
+    ) -> None:
+        """The writer's last part of a background save, once every rank's shards are written and its share of the
+        files hashed (``files``: the manifest's entries; in its thread)."""
+        write_manifest_entries(staging, files)
         publish(staging, final_dir)
         self._rotate(run_dir, best)
 
@@ -129,11 +155,6 @@ class CheckpointMixin(Trainer):
         self._end_background_save()
         return super()._finalize_training(*args, **kwargs)
 
-    @property
-    def _write_state(self) -> StateWrite:
-        """How this run's saves write a DCP state: now, or staged for the background (``fed_async_checkpoint``)."""
-        return dcp_write if self._checkpointer is None else self._checkpointer.write
-
     def _diverged_groups(self) -> list[int]:
         """The groups holding a NaN/Inf now; with torchft, where groups meet only in averagings, this group alone."""
         if self.args.fed_launch_layout.federated:
@@ -151,18 +172,19 @@ class CheckpointMixin(Trainer):
             if best_step == step or os.path.exists(best_dir):
                 self.state.best_model_checkpoint = best_dir
 
-    def _save_federated_state(self, checkpoint: str) -> None:
-        """Everything needed to continue exactly, each group's shards in its own ``fed_group{g}`` folder."""
+    def _save_federated_state(self, checkpoint: str, write: StateWrite = dcp_write) -> None:
+        """Everything needed to continue exactly, each group's shards in its own ``fed_group{g}`` folder; ``write``
+        writes a DCP state now, or copies it for the background (``fed_async_checkpoint``)."""
         group = group_dir(checkpoint, self._group_index)
-        save_group_model(self.model, os.path.join(group, "model"), self._group_pg, self._write_state)
+        save_group_model(self.model, os.path.join(group, "model"), self._group_pg, write)
         if not self.args.save_only_model:
-            self._save_optimizer_and_scheduler(checkpoint)
+            self._save_group_optimizer(checkpoint, write)
             self._save_scaler(checkpoint)
             self._save_rng_state(checkpoint)
         state = self.fed_callback.averager.state_dict()
         layout = self.args.fed_launch_layout
         rank, group_pg = self.args.process_index, self._group_pg
-        save_averaging_state(checkpoint, layout, rank, state, self.model, group_pg, self._write_state)
+        save_averaging_state(checkpoint, layout, rank, state, self.model, group_pg, write)
         if self.args.should_save:
             read = {
                 **self._data_arithmetic,
@@ -190,8 +212,13 @@ class CheckpointMixin(Trainer):
         # Groups' optimizer moments differ between averagings: each group saves its own, over its own ranks.
         if self.fed_callback is None:
             return super()._save_optimizer_and_scheduler(output_dir)
+        self._save_group_optimizer(output_dir)
+
+    def _save_group_optimizer(self, output_dir: str, write: StateWrite = dcp_write) -> None:
+        """This group's optimizer state over its own ranks (``write``: now, or copied for the background), and the
+        scheduler's."""
         directory = os.path.join(group_dir(output_dir, self._group_index), "optimizer")
-        save_group_optimizer(self.model, self.optimizer, directory, self._group_pg, self._write_state)
+        save_group_optimizer(self.model, self.optimizer, directory, self._group_pg, write)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 

@@ -376,8 +376,8 @@ class SaveKillingTrainer(FedShardTrainer):
         super().__init__(*args, **kwargs)
         self.kill_step, self.kill_rank = kill_step, kill_rank
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)
+    def _save_group_optimizer(self, output_dir: str, write=None) -> None:
+        super()._save_group_optimizer(output_dir, *([write] if write else []))
         here = self.state.global_step == self.kill_step and self.args.process_index == self.kill_rank
         if not (here and first_attempt()):
             return

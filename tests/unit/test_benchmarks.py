@@ -920,8 +920,10 @@ def test_checkpoint_overhead_takes_the_slowest_rank_per_save_and_pairs_the_modes
     def run(mode: str, repeat: int, saves: list[list[float]], writing: bool) -> dict:
         steps = [{"seconds": 9.0, "writing": False}, *({"seconds": 0.5, "writing": writing} for _ in range(2)),
                  {"seconds": 0.25, "writing": False}]  # fmt: skip
+        first = "previous write" if mode == "background" else "writes and barriers"  # half, then a quarter
         ranks = [{"save_seconds": s, "waited_seconds": 0.0, "steps": steps, "peak_rss_bytes": 2e9 + 1e8 * (mode ==
-                  "background"), "staged_bytes": 5e7, "load_seconds": 0.1} for s in saves]  # fmt: skip
+                  "background"), "staged_bytes": 5e7, "load_seconds": 0.1,
+                  "stall_parts": [{first: x / 2, "host copies": x / 4} for x in s]} for s in saves]  # fmt: skip
         return {"model": "tiny", "mode": mode, "repeat": repeat, "tokens_per_step": 1000, "ranks": ranks,
                 "total_bytes": 7e7, "parameters": 2.8e6}  # fmt: skip
 
@@ -939,5 +941,11 @@ def test_checkpoint_overhead_takes_the_slowest_rank_per_save_and_pairs_the_modes
     assert summary["modes"]["background"]["tokens_s_quiet"]["median"] == 4000.0
     assert "tokens_s_writing" not in summary["modes"]["synchronous"]  # no write runs between its steps
     assert summary["added_peak_rss_bytes"]["median"] == 1e8 and summary["target"]["met"] is True  # 0.096 ≤ 0.10
+    # the parts of each save's slowest rank (0.3 s, 0.2 s; then 0.1 s, 0.1 s), the rest "other"
+    parts = summary["modes"]["background"]["parts"]
+    assert list(parts) == ["previous write", "host copies", "other"]
+    assert (parts["previous write"]["min"], parts["previous write"]["max"]) == pytest.approx((0.05, 0.125))
+    assert (parts["other"]["min"], parts["other"]["max"]) == pytest.approx((0.025, 0.0625))
     table = co.markdown({"config": {"save_steps": 4, "max_steps": 24, "repeats": 2}, "summary": {"tiny": summary}})
     assert "| tiny | background | 0.175 (0.100–0.250) | 0.096 (0.050–0.143) | 2000 | 4000 | 2100 | 50.0 |" in table
+    assert "| tiny | synchronous |  |  | 0.469 (0.438–0.500) |  | 0.938 (0.875–1.000) | 0.469 (0.438–0.500) |" in table
