@@ -29,7 +29,7 @@ from torch.distributed import ProcessGroup
 from transformers import TrainerState
 from transformers.trainer import SCHEDULER_NAME
 
-from hf_fedshard.checkpointing.averaging_state import load_averaging_state, read_counters
+from hf_fedshard.checkpointing.averaging_state import in_flight_path, load_averaging_state, read_counters
 from hf_fedshard.checkpointing.checkpoint import (
     group_dir,
     load_group_model,
@@ -134,6 +134,17 @@ class GroupCheckpoint(ResumeSource):
     @property
     def averagings(self) -> int:
         return int(read_counters(self.folder, self.group_index, self.rank)["syncs"])
+
+    @property
+    def committed(self) -> bool:
+        """Written right after a committed averaging (every fragment averaged at this step, no exchange in flight):
+        once loaded, the state a group behind may heal from (`hf_fedshard.engine.rounds` I1). After a full restart
+        without a shared folder each group resumes its own newest checkpoint, and the groups behind the one that
+        published an averaging later must heal from it; from a checkpoint between averagings they wait for its
+        next commit."""
+        synced = read_counters(self.folder, self.group_index, self.rank).get("synced_at") or []
+        in_flight = os.path.isfile(in_flight_path(self.folder, self.group_index, self.rank))
+        return bool(synced) and all(step == self.at_step for step in synced) and not in_flight
 
     def load_model(self, model: nn.Module, group: ProcessGroup) -> None:
         load_group_model(model, os.path.join(group_dir(self.folder, self.group_index), "model"), group)

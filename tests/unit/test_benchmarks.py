@@ -947,5 +947,7 @@ def test_checkpoint_overhead_takes_the_slowest_rank_per_save_and_pairs_the_modes
     assert (parts["previous write"]["min"], parts["previous write"]["max"]) == pytest.approx((0.05, 0.125))
     assert (parts["other"]["min"], parts["other"]["max"]) == pytest.approx((0.025, 0.0625))
     table = co.markdown({"config": {"save_steps": 4, "max_steps": 24, "repeats": 2}, "summary": {"tiny": summary}})
-    assert "| tiny | background | 0.175 (0.100–0.250) | 0.096 (0.050–0.143) | 2000 | 4000 | 2100 | 50.0 |" in table
+    # after the first save: 0.2 s ÷ 2.0 s, 0.1 s ÷ 2.0 s
+    assert ("| tiny | background | 0.175 (0.100–0.250) | 0.096 (0.050–0.143) | 0.150 (0.100–0.200) | 0.075 "
+            "(0.050–0.100) | 2000 | 4000 | 2100 | 50.0 |") in table  # fmt: skip
     assert "| tiny | synchronous |  |  | 0.469 (0.438–0.500) |  | 0.938 (0.875–1.000) | 0.469 (0.438–0.500) |" in table

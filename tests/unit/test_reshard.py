@@ -18,6 +18,7 @@ import torch
 from transformers import Trainer, TrainerState
 
 from hf_fedshard import FederatedAverager
+from hf_fedshard.checkpointing.averaging_state import in_flight_path, write_counters
 from hf_fedshard.checkpointing.checkpoint import CheckpointReadError
 from hf_fedshard.checkpointing.reshard import DataPosition, data_position
 from hf_fedshard.engine.outer import OuterOptimizer, fragments_from_flat
@@ -229,3 +230,18 @@ def test_a_checkpoints_schedule_beside_its_optimizer_must_be_there(tmp_path):
     (tmp_path / "fed_group0" / "optimizer").mkdir(parents=True)
     with pytest.raises(CheckpointReadError, match=r"^cannot read .*scheduler\.pt"):
         source.scheduler_state()
+
+
+@pytest.mark.parametrize(("synced_at", "in_flight", "committed"), [([96], False, True), ([88], False, False),
+                         ([96, 92], False, False), ([96], True, False)])  # fmt: skip
+def test_a_checkpoint_written_right_after_a_commit_is_a_heal_source_once_loaded(tmp_path, synced_at, in_flight,
+                                                                                committed):  # fmt: skip
+    """After a full restart without a shared folder, the group that published step 96's averaging resumes there and
+    the others, from 92, heal from it: its checkpoint holds a committed state only where every fragment averaged at
+    its step and no exchange was in flight (else the groups behind wait for its next commit)."""
+    (tmp_path / "fed_group0").mkdir()
+    write_counters(str(tmp_path), 0, 0, {"syncs": 13, "synced_at": synced_at})
+    if in_flight:
+        torch.save({}, in_flight_path(str(tmp_path), 0, 0))
+    source = GroupCheckpoint(str(tmp_path), None, 96, layout=None, group_index=0, rank=0)
+    assert (source.averagings, source.committed) == (13, committed)
