@@ -18,7 +18,8 @@ A background save goes through these phases (`Phase`):
     PUBLISHED  (the writer, Trainer's ``should_save``) every rank said HASHED: the marks are removed, the manifest
                written from their entries, the folder renamed ``checkpoint-N/`` and older ones rotated.
     FAILED     a write or a hash raised (``.ranks/rank{r}.failed`` says so), or a rank's mark did not come within the
-               timeout: nothing is renamed; the staging folder stays until the next training start removes it.
+               timeout: nothing is renamed; at the failing `wait`, once every rank's thread ended, the writer removes
+               the staging folder, so that no mark of it is found by a later save of the same step.
 
 Invariants:
 - only PUBLISHED makes a ``checkpoint-N`` name, so resuming (`latest_complete_checkpoint`) and Trainer's rotation
@@ -188,6 +189,8 @@ class BackgroundCheckpointer:
         failed = torch.tensor([1.0 if save is not None and save.phase is Phase.FAILED else 0.0])
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item():
+            if save is not None and save.publish is not None:  # the writer; every rank's thread has ended by now
+                shutil.rmtree(save.staging, ignore_errors=True)
             name = os.path.basename(save.final_dir) if save is not None else "the last checkpoint"
             detail = f": {save.error}" if save is not None and save.error is not None else " on another rank"
             raise CheckpointWriteError(
