@@ -349,11 +349,16 @@ def remove_staging_folders(run_dir: str) -> None:
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
 
+def staging_dir(final_dir: str) -> str:
+    """Where ``final_dir`` is written before its rename: ``tmp-checkpoint-N`` beside it."""
+    run_dir, name = os.path.split(final_dir)
+    return os.path.join(run_dir, STAGING_PREFIX + name)
+
+
 def open_staging(final_dir: str, is_writer: bool) -> str:
     """The staging folder of ``final_dir``, emptied of what killed jobs left and created by ``is_writer``; a barrier
     over the world, so that no rank writes into it before it exists."""
-    run_dir, name = os.path.split(final_dir)
-    staging = os.path.join(run_dir, STAGING_PREFIX + name)
+    run_dir, staging = os.path.dirname(final_dir), staging_dir(final_dir)
     if is_writer:
         os.makedirs(run_dir, exist_ok=True)
         remove_staging_folders(run_dir)

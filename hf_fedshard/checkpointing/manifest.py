@@ -60,7 +60,7 @@ def write_manifest(checkpoint: str, is_writer: bool) -> None:
     parts: list[dict[str, dict[str, Any]] | None] = [None] * world
     dist.all_gather_object(parts, describe_files(checkpoint, listing[0][rank::world]))
     if is_writer:
-        _dump(checkpoint, {path: entry for part in parts for path, entry in part.items()})
+        write_manifest_entries(checkpoint, {path: entry for part in parts for path, entry in part.items()})
 
 
 def describe_share(checkpoint: str, rank: int, world: int, skip: str | None = None) -> dict[str, dict[str, Any]]:
@@ -70,11 +70,8 @@ def describe_share(checkpoint: str, rank: int, world: int, skip: str | None = No
 
 
 def write_manifest_entries(checkpoint: str, files: dict[str, dict[str, Any]]) -> None:
-    """The manifest of ``checkpoint`` from entries described elsewhere (each rank's `describe_share`)."""
-    _dump(checkpoint, files)
-
-
-def _dump(checkpoint: str, files: dict[str, dict[str, Any]]) -> None:
+    """The manifest of ``checkpoint`` from its files' entries, described by the ranks (`write_manifest`'s shares, or
+    each background thread's `describe_share`)."""
     with open(os.path.join(checkpoint, MANIFEST_NAME), "w") as f:
         json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
 

@@ -25,7 +25,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rota
 from hf_fedshard.checkpointing.averaging_state import save_averaging_state
 from hf_fedshard.checkpointing.background import BackgroundCheckpointer
 from hf_fedshard.checkpointing.checkpoint import (
-    STAGING_PREFIX,
     StateWrite,
     atomic_checkpoint,
     dcp_write,
@@ -34,6 +33,7 @@ from hf_fedshard.checkpointing.checkpoint import (
     remove_staging_folders,
     save_group_model,
     save_group_optimizer,
+    staging_dir,
     tokenizer_fingerprint,
     write_layout_record,
 )
@@ -94,7 +94,7 @@ class CheckpointMixin(Trainer):
         """Copy every rank's state to host memory and write the small files now; the DCP writes, the hashing and the
         publication (manifest, rename, rotation) go on in the background (`hf_fedshard.checkpointing.background`).
         No barrier: every rank creates the staging folder (a killed run's were removed at the start)."""
-        staging = os.path.join(run_dir, STAGING_PREFIX + os.path.basename(final_dir))
+        staging = staging_dir(final_dir)
         os.makedirs(staging, exist_ok=True)
         write = self._checkpointer.write
 
