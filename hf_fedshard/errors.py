@@ -9,8 +9,6 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch.distributed as dist
-
 T = TypeVar("T")
 
 RANK_0_GRACE_S = 30.0  # how long another rank leaves rank 0 to report the error they both raised before any collective
@@ -23,13 +21,16 @@ class ConfigError(ValueError):
 def exit_on_config_error(main: Callable[[], T]) -> T:
     """Run a script's ``main``; a `ConfigError` ends it with one ``error:`` line and exit status 2.
 
-    Under a launcher the line is said once: before the process group exists every rank parsed the same command
-    line and raised the same error, so rank 0 says it and the launcher stops the others (see `_leave_to_rank_0`).
+    Under a launcher the line is said once: a refusal is raised on every rank alike (before the process group exists
+    every rank parsed the same command line; after it, a check reads the same files and settings before any
+    collective), so rank 0 says it and the launcher stops the others (see `_leave_to_rank_0`). Saying it on every
+    rank printed one line per rank, and the first rank to exit had torchrun stop the others, rank 0 included,
+    possibly before they had printed theirs.
     """
     try:
         return main()
     except ConfigError as err:
-        if _rank() != 0 and not (dist.is_available() and dist.is_initialized()):
+        if _rank() != 0:
             _leave_to_rank_0()
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import process_tree
+from benchmarks.harness import LAUNCHER_ENV, process_tree
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -82,6 +83,16 @@ def launch_env(**extra: str) -> dict[str, str]:
     """The environment of every launch: one thread per rank, unbuffered output, this checkout first on the path."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
             "PYTHONPATH": str(REPO), **extra}  # fmt: skip
+
+
+def study_launch_env() -> dict[str, str]:
+    """What makes a study (``python -m benchmarks.<study>``) start its torchrun launches through this session's
+    launch server (`benchmarks.harness.torchrun`): forked after the imports, each in its client's network namespace
+    and cgroup. The studies' smoke tests run in seconds so; their kills and restarts (goodput, the elastic demo)
+    need real torchrun processes below the study and keep it."""
+    server, pids = _launch_server()
+    client = f"{shlex.quote(sys.executable)} -S {shlex.quote(str(REPO / 'tests' / 'launch_client.py'))}"
+    return {LAUNCHER_ENV: f"{client} {shlex.quote(server)}", "HF_FEDSHARD_LAUNCH_PIDS": pids}
 
 
 _SERVER: dict = {}  # the session's launch server: "proc", "socket", "pids" (the clients' launcher pids)

@@ -23,6 +23,7 @@ asks for them before it kills a hung launch).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import json
 import os
@@ -31,6 +32,7 @@ import signal
 import socket
 import struct
 import sys
+from pathlib import Path
 
 from benchmarks.harness import process_tree
 from hf_fedshard import launch as forked
@@ -52,9 +54,36 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), fds
 
 
+def _cgroups(pid: str) -> dict[tuple[str, str], str]:
+    """Process ``pid``'s cgroup per (hierarchy, controllers), from /proc/PID/cgroup."""
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    return {(h, c): path for h, c, path in (line.split(":", 2) for line in lines)}
+
+
+def join_client(pid: int) -> None:
+    """Join the cgroups and the mount, network and host-name namespaces of process ``pid`` where they differ from
+    this process's: a study's launch on an emulated node is ``ip netns exec NODE ... launch_client.py`` (below a CPU
+    quota's cgroup), and its torchrun must run where that client runs, as ``ip netns exec NODE torchrun`` would.
+
+    The cgroups first: the node's mount namespace has a fresh ``/sys`` without them. Needs root where they differ.
+    """
+    ours = _cgroups("self")
+    for (hierarchy, controllers), path in _cgroups(str(pid)).items():
+        if controllers in ("cpu", "cpuacct") and ours.get((hierarchy, controllers)) != path:  # cgroup v1 quotas
+            Path(f"/sys/fs/cgroup/{controllers}{path}/cgroup.procs").write_text(str(os.getpid()))
+    libc = ctypes.CDLL(None, use_errno=True)
+    joins = [kind for kind in ("mnt", "net", "uts")
+             if os.stat(f"/proc/{pid}/ns/{kind}").st_ino != os.stat(f"/proc/self/ns/{kind}").st_ino]  # fmt: skip
+    for kind, fd in [(kind, os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)) for kind in joins]:
+        if libc.setns(fd, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into process {pid}'s {kind} namespace")
+        os.close(fd)
+
+
 def _start(conn: socket.socket, server: socket.socket) -> int:
     """Fork a launcher for one request; in the child, become what ``python preloaded_torchrun.py argv`` would be."""
     request, fds = _receive(conn)
+    client, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     sys.stdout.flush()
     sys.stderr.flush()
     server_pid, pid = os.getpid(), os.fork()
@@ -68,6 +97,7 @@ def _start(conn: socket.socket, server: socket.socket) -> int:
         server.close()
         conn.close()
         os.setsid()  # the client's session is not ours: a launch is killed by its process tree (tests.launch)
+        join_client(client)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -77,7 +107,7 @@ def _start(conn: socket.socket, server: socket.socket) -> int:
         process_tree.become_subreaper()  # this process keeps the launch: everything below it, orphans included
         launcher = os.fork()
         if launcher:
-            code = process_tree.keep(launcher, server_pid)
+            code = process_tree.keep(launcher, server_pid, client=client)  # a killed client ends its launch
         else:
             sys.argv = [__file__, *request["argv"]]
             code = launch(request["argv"])

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from benchmarks.harness import REPO, TRAIN_SCRIPT, process_tree
+from benchmarks.harness import REPO, TRAIN_SCRIPT, process_tree, torchrun_command
 from benchmarks.harness.netns import Cluster
 from benchmarks.harness.process_tree import cmdline, descendants, process_children
 
@@ -81,7 +81,8 @@ def torchrun(nproc: int, args: Sequence[str], rendezvous: str | None = None, nod
     if rendezvous is not None:
         where = [f"--nnodes={nodes}", f"--node_rank={node_rank}", "--rdzv-backend=c10d"]
         where.append(f"--rdzv-endpoint={rendezvous}")
-    return [sys.executable, "-m", launcher, *where, f"--nproc_per_node={nproc}",
+    start = torchrun_command() if launcher == "torch.distributed.run" else [sys.executable, "-m", launcher]
+    return [*start, *where, f"--nproc_per_node={nproc}",
             f"--max-restarts={max_restarts}", str(TRAIN_SCRIPT), *args]  # fmt: skip
 
 

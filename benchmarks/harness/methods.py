@@ -17,12 +17,11 @@ import os
 import resource
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import REPO, TRAIN_SCRIPT, process_tree, report
+from benchmarks.harness import REPO, TRAIN_SCRIPT, process_tree, report, torchrun_command
 from benchmarks.harness.netns import Cluster, handle_termination
 from benchmarks.harness.report import VARIANTS, base_method
 from hf_fedshard.errors import ConfigError
@@ -168,7 +167,7 @@ def train_on_localhost(
     goes to ``run_dir/log.txt``; a failed run raises with its tail.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [*(["nice", "-n", str(niceness)] if niceness else []), sys.executable, "-m", "torch.distributed.run",
+    cmd = [*(["nice", "-n", str(niceness)] if niceness else []), *torchrun_command(),
            "--standalone", f"--nproc_per_node={world}", str(TRAIN_SCRIPT), "--data_dir", str(data),
            "--record_dir", str(run_dir / "records"), "--output_dir", str(run_dir / "out"), *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",

@@ -39,13 +39,12 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import process_tree
+from benchmarks.harness import process_tree, torchrun_command
 
 SUBNET = "10.213.0"
 UPLINK = "uplink"
@@ -270,7 +269,7 @@ class Cluster:
     def torchrun_commands(self, ranks_per_node: int, port: int, argv: Sequence[str]) -> list[list[str]]:
         """One ``torchrun --nnodes N --node_rank i`` per node, rendezvous on node 0: the real multi-node launcher."""
         return [
-            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
+            [*torchrun_command(), f"--nnodes={self.nodes}",
              f"--nproc_per_node={ranks_per_node}", f"--node_rank={node}", f"--master_addr={self.address(0)}",
              f"--master_port={port}", *argv]
             for node in range(self.nodes)

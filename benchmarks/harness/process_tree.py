@@ -140,10 +140,12 @@ def become_subreaper() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
-def keep(child: int, owner: int, grace_s: float = GRACE_S) -> int:
+def keep(child: int, owner: int, grace_s: float = GRACE_S, client: int | None = None) -> int:
     """The keeper's loop, in a subreaper whose child ``child`` runs the command: wait for it, or for a stop signal,
-    or for this process's parent to be other than ``owner`` (which started it: gone, maybe before this loop began);
-    then stop everything below this process; the exit status to leave with."""
+    or for this process's parent to be other than ``owner`` (which started it: gone, maybe before this loop began),
+    or for process ``client`` (which waits for the command elsewhere: tests/launch_client.py) to end; then stop
+    everything below this process (SIGKILL at once where the client ended: it was killed, and `kill` of a launch
+    kills every process of it); the exit status to leave with."""
     asked: list[int] = []
     for sig in _STOP_SIGNALS:
         signal.signal(sig, lambda signum, _frame: asked.append(signum))
@@ -154,12 +156,17 @@ def keep(child: int, owner: int, grace_s: float = GRACE_S) -> int:
     signal.set_wakeup_fd(wake)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     ended = os.pidfd_open(child)  # readable once the command ended
+    gone = [os.pidfd_open(client)] if client is not None else []  # readable once the client ended (killed)
     code = None
     while code is None and not asked and os.getppid() == owner:
-        select.select([ended, woken], [], [], OWNER_POLL_S)  # the command's end, a signal, or a look at the owner
+        ready = select.select([ended, woken, *gone], [], [], OWNER_POLL_S)[0]  # an end, a signal, a look at the owner
         with contextlib.suppress(BlockingIOError):
             os.read(woken, 512)
         code = _reap(child)
+        if code is None and set(ready) & set(gone):  # as if the launch had been killed with its client (`kill`)
+            kill_pids(descendants(os.getpid()))
+            code = _reap_after_stopping(child, grace_s)
+            return code if code is not None else 128 + signal.SIGKILL
     if code is None:  # asked to stop, or orphaned: the command too gets its SIGTERM and grace
         code = _reap_after_stopping(child, grace_s)
         return code if code is not None else 128 + (asked[0] if asked else signal.SIGTERM)

@@ -31,12 +31,16 @@ the trainer was given was on the meta device and holds its shards as preparing l
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import importlib
 import math
 import os
 import signal
 import sys
 import time
+import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, set_seed
 
 from hf_fedshard import AveragingObserver, FedShardTrainer, FedShardTrainingArguments
+from hf_fedshard.errors import ConfigError
 from hf_fedshard.integrations.fsdp import loads_weights
 from hf_fedshard.tools.models import build_model
 from hf_fedshard.transports.mesh import destroy_gloo_groups_at_exit
@@ -403,6 +408,36 @@ def import_transport(argv: list[str]) -> None:
         importlib.import_module(module)
 
 
+def raised_by_every_rank(err: BaseException) -> bool:
+    """A refusal the library raises on every rank alike: bad input (`ConfigError`), a checkpoint written damaged."""
+    return isinstance(err, ConfigError) or str(err).startswith("hf_fedshard: resuming from")
+
+
+@contextlib.contextmanager
+def said_by_every_rank(mark_dir: str, rank: int, world: int, wait_s: float = 60.0) -> Iterator[None]:
+    """Print a refusal that every rank raises on every rank before any rank exits, then exit 1.
+
+    The tests count the refusal once per rank. Raised as usual, the first rank to exit has torchrun stop the others
+    with SIGTERM, and under load a rank scheduled late was stopped before it printed (3 of 4 counted). Each rank
+    prints its traceback, marks it in ``mark_dir`` and waits (at most ``wait_s``) for every rank's mark: a rank that
+    never refuses (went on into a collective) leaves its mark missing and the count short, as it should.
+    """
+    try:
+        yield
+    except Exception as err:
+        if not raised_by_every_rank(err):
+            raise
+        traceback.print_exc()
+        sys.stderr.flush()
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        os.makedirs(mark_dir, exist_ok=True)
+        open(os.path.join(mark_dir, f"refused-{run}-rank{rank}"), "w").close()
+        deadline = time.monotonic() + wait_s
+        while len(glob.glob(os.path.join(mark_dir, f"refused-{run}-rank*"))) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     import_transport(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser((ScriptArguments, FedShardTrainingArguments))
@@ -451,7 +486,8 @@ def main(argv: list[str] | None = None) -> None:
     if script.export_at_step is not None:
         exporter = ExportMidTraining(trainer, script.export_at_step, script.export_dir)
         trainer.add_callback(exporter)
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    with said_by_every_rank(script.dump_dir, args.process_index, args.world_size):
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if script.export_dir is not None and exporter is None:
         trainer.save_model(script.export_dir)
     metrics = trainer.evaluate()

@@ -22,7 +22,7 @@ from benchmarks import layout_change as lc
 from benchmarks.harness.netns import list_namespaces
 from benchmarks.harness.process_tree import cmdline, descendants, kill, kill_pids
 
-from ..launch import REPO, STUDIES
+from ..launch import REPO, STUDIES, study_launch_env
 
 NETNS = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="network namespaces need root")
 
@@ -38,10 +38,12 @@ def user_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
-def run_study(study: str, args: list, timeout_s: float) -> tuple[subprocess.Popen, str]:
+def run_study(study: str, args: list, timeout_s: float, preloaded: bool = True) -> tuple[subprocess.Popen, str]:
     """``python -m benchmarks.<study> ARGS`` from the repository's root; the finished process (its pid names its
-    namespaces) and its output, stderr included. A study still running at ``timeout_s`` is killed with its ranks."""
-    proc = subprocess.Popen([sys.executable, "-m", f"benchmarks.{study}", *map(str, args)], cwd=REPO, env=user_env(),
+    namespaces) and its output, stderr included. A study still running at ``timeout_s`` is killed with its ranks.
+    ``preloaded``: its launches fork from the session's launch server (`study_launch_env`)."""
+    env = {**user_env(), **(study_launch_env() if preloaded else {})}
+    proc = subprocess.Popen([sys.executable, "-m", f"benchmarks.{study}", *map(str, args)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=timeout_s)
