@@ -149,14 +149,15 @@ def test_time_to_quality_study_runs_on_a_tiny_cluster(tmp_path, data_cache):
 @pytest.mark.timeout(600)
 @NETNS
 def test_speed_rounds_study_slows_one_group_and_compares_both_policies(tmp_path, data_cache):
-    """The study's quick mode as users run it, shorter (a 8 s budget, cap 2.5 × B): the all-fast run, then the slow
+    """The study's quick mode as users run it, shorter (a 4 s budget, cap 2.5 × B): the all-fast run, then the slow
     group 2× slower under ``steps`` and ``speed``, each group's launch in a cgroup with its quota; every rank of a run
     stops at one step, the slow group is slower for real, passes over steps under ``speed`` only, and every
     namespace and cgroup is removed.
 
-    Over 60 s (about 140 s here): three real runs on the 4-node cluster, each with its start-up of about 20 s."""
+    About 50 s here: three real runs on the 4-node cluster, 4 + 10 + 10 s of training clock, each run's set-up and
+    final evaluation; the launches fork from the session's launch server (about 20 s of imports each before)."""
     out = tmp_path / "out"
-    args = ["--quick", "--budget-s", 8, "--max-train-lines", 3000, "--out", out, "--work", tmp_path / "work",
+    args = ["--quick", "--budget-s", 4, "--max-train-lines", 3000, "--out", out, "--work", tmp_path / "work",
             "--data-cache", data_cache]  # fmt: skip
     proc, out_text = run_study("speed_rounds", args, timeout_s=540)
     assert proc.returncode == 0, out_text[-6000:]
@@ -189,14 +190,15 @@ def test_speed_rounds_study_slows_one_group_and_compares_both_policies(tmp_path,
 @NETNS
 def test_goodput_study_runs_both_paths_through_a_full_restart(tmp_path):
     """The study's machinery on a short run (not its timing) of 2 groups × 1 rank: both paths, one full restart each
-    (every launch and the lighthouse killed at 4 s of 10, the groups started again from 6 s, 5 s apart, resuming
+    (every launch and the lighthouse killed at 2.5 s of 6, the groups started again from 3.5 s, 1 s apart, resuming
     from their checkpoints), every group stopped at one step and ended on one model, the figures, table and plot
     written, every namespace removed.
 
-    Over 60 s (about 115 s here): each path is a real run of 10 s of training, the restart's start-ups and resume,
-    the stop at one step, and the study's fixed start-up of the namespace cluster and the lighthouse."""
+    About 60 s here: four real runs of 6 s of training (each path with and without its restart), the restarts and
+    resumes, the stop at one step, and the study's fixed start-up of the namespace cluster and the lighthouse."""
     out = tmp_path / "out"
-    args = ["--quick", "--groups", "2", "--run-s", "10", "--intervals-s", "8", "--restart-s", "2", "--faults", "full",
+    args = ["--quick", "--groups", "2", "--run-s", "6", "--intervals-s", "5", "--restart-s", "1", "--stagger-s", "1",
+            "--faults", "full",
             "--out", out, "--work", tmp_path / "work"]  # fmt: skip
     proc, out_text = run_study("goodput", args, timeout_s=840)
     assert proc.returncode == 0, out_text[-6000:]
@@ -211,7 +213,7 @@ def test_goodput_study_runs_both_paths_through_a_full_restart(tmp_path):
         for fault in (None, "full"):  # both groups wrote their shards' SHA-256 at the stop step, and they agree
             assert (runs[(path, fault)]["groups_ended"], runs[(path, fault)]["models_at_end"]) == ([0, 1], 1)
     assert results["hosts"] == "netns" and results["config"]["groups"] == 2
-    assert "| torchft | every launch killed, back after 2 s, 5 s apart | 8 s | 1 |" in (out / "results.md").read_text()
+    assert "| torchft | every launch killed, back after 1 s, 1 s apart | 5 s | 1 |" in (out / "results.md").read_text()
     assert (out / "goodput.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -219,13 +221,16 @@ def test_goodput_study_runs_both_paths_through_a_full_restart(tmp_path):
 def test_elastic_demo_tells_its_story(tmp_path):
     """`make elastic-demo`'s script: group 1 is killed, restarted, heals and rejoins; the groups end bit-identical.
 
-    Over 60 s (about 75 s here): the demo as users run it, 3 groups × 2 fresh ranks; the restarted group needs about
-    20 s to heal and the survivors must not finish before it rejoins, so its steps are not cut."""
-    proc, out_text = run_study("elastic_demo", ["--work", tmp_path], timeout_s=460)
+    About 45 s here: the demo as users run it, 3 groups × 2 ranks, 48 steps instead of 128 and a restart after 1 s
+    instead of 5; the restarted group heals about 10 s after its kill, and the survivors must not finish before it
+    rejoins (the last 20 steps, about 10 s, are the margin)."""
+    proc, out_text = run_study(
+        "elastic_demo", ["--work", tmp_path, "--max-steps", 48, "--restart-after-s", 1], timeout_s=460
+    )
     assert proc.returncode == 0, out_text[-9000:]
     assert "group 1 KILLED (SIGKILL to torchrun and its workers" in out_text
     assert re.search(r"group 1 healed from a live group: resumes training at step \d+", out_text)
-    assert "averaging at step 128: groups [0 1 2]" in out_text and "OK: group 1 rejoined" in out_text
+    assert "averaging at step  48: groups [0 1 2]" in out_text and "OK: group 1 rejoined" in out_text
 
 
 def _workers_below(pid: int) -> int:
