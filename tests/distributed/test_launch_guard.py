@@ -57,7 +57,7 @@ def test_a_shared_restart_store_is_named_and_a_setup_that_waits_ends_at_its_dead
     start; rank 1 crashes; the restarted workers read the dead ones' addresses and, depending on timing, fail at
     once or hang to the set-up deadline (either way in one line naming the fix), or set up. (2) Rank 1 never sets
     up: rank 0 ends after HF_FEDSHARD_SETUP_TIMEOUT_S=5 in one line, not after ddp_timeout (30 minutes)."""
-    shared = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "HF_FEDSHARD_SETUP_TIMEOUT_S": "60"}
+    shared = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "HF_FEDSHARD_SETUP_TIMEOUT_S": "30"}  # after the imports
     script = SCRIPTS / "setup_guard.py"
     restart = Background(start_torchrun(2, script, ["--output_dir", tmp_path / "a", "--crash_rank", "1"], 1,
                                         preloaded=False, env=shared), 200)  # fmt: skip
@@ -71,7 +71,7 @@ def test_a_shared_restart_store_is_named_and_a_setup_that_waits_ends_at_its_dead
     assert restarted.count(warning) == 1 and restarted.count("rank 1 set up on cpu:0 (attempt 0)") == 1, restarted
     failed = ("error: this worker, restarted by torchrun, could not set up the world's process group: torchrun "
               "shared its rendezvous store with it")  # fmt: skip
-    stalled = ("the world's process group was not set up within 60 s: torchrun restarted it and shared its rendezvous "
+    stalled = ("the world's process group was not set up within 30 s: torchrun restarted it and shared its rendezvous "
                "store with it")  # fmt: skip
     explained = failed in restarted or stalled in restarted  # the restart failed at once, or hung to the deadline
     both_up = all(f"rank {r} set up on cpu:0 (attempt 1)" in restarted for r in range(2))

@@ -100,3 +100,37 @@ def test_kill_reaches_a_whole_tree_at_once_and_counts_it(tree):
         time.sleep(0.05)
     assert process_tree.kill(proc) == 5  # the keeper, the shell and three sleeps
     assert proc.returncode == -signal.SIGKILL and _gone(marker, 1.0)
+
+
+# A keeper as tests/preloaded_torchrun.py runs one: the launch is its child, a client elsewhere waits for it.
+KEEP_FOR_CLIENT = """
+import os, sys
+from benchmarks.harness import process_tree
+process_tree.become_subreaper()
+child = os.fork()
+if child == 0:
+    os.execv("/bin/sh", ["/bin/sh", "-c", sys.argv[2]])
+sys.exit(process_tree.keep(child, os.getppid(), grace_s=30, client=int(sys.argv[1])))
+"""
+
+
+def test_a_launch_kept_for_a_client_is_killed_with_it_at_once(tree):
+    """The launch server keeps each launch for its client (tests/launch_client.py): a study that SIGKILLs a node's
+    launch kills the client, and the whole launch goes at once (SIGKILL, no 30 s grace), as `kill` of a launch of its
+    own would; the keeper's status says so."""
+    command, env, marker = tree("sleep 300")
+    client = subprocess.Popen(["sleep", "300"])
+    keeper = subprocess.Popen([sys.executable, "-c", KEEP_FOR_CLIENT, str(client.pid), command[2]], env=env,
+                              cwd=Path(process_tree.__file__).parents[2])  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while len(_sleepers(marker)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_sleepers(marker)) == 3
+        client.kill()
+        client.wait()
+        assert keeper.wait(timeout=10) == 128 + signal.SIGKILL
+        assert _gone(marker, 1.0)
+    finally:
+        keeper.kill()
+        client.kill()
