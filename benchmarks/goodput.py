@@ -10,8 +10,8 @@
     sudo python -m benchmarks.goodput --paths torchft torchft-save4 torchft-async4 --faults full
                                                    # full restarts: checkpoints every 16 steps, every 4, every 4 in
                                                    # the background (the seconds lost, split by whose they are)
-    sudo python -m benchmarks.goodput --quick --groups 2 --run-s 10 --intervals-s 8 --restart-s 2 --faults full
-                                                   # the smoke the tests run: 1 fault a run, 4 runs of 10 s
+    sudo python -m benchmarks.goodput --quick --groups 2 --run-s 6 --intervals-s 5 --restart-s 1 --stagger-s 1 \
+        --faults full                              # the smoke the tests run: 1 fault a run, 4 runs of 6 s
 
 On the emulated cluster (benchmarks/harness/netns.py: a network namespace per group, 100 Mbit/s links between
 them), 4 federation groups train the ``micro`` Llama on Shakespeare (benchmarks/harness/bench_train.py, H = 8,

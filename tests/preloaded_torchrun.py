@@ -15,8 +15,9 @@ Even that import (about 6 CPU-seconds for the launcher itself) is paid once per 
 the launcher imports once and waits on a Unix socket; each launch is then ``python tests/launch_client.py PATH
 torchrun-args…``, a stdlib-only client that hands its argv, environment, folder and stdin/stdout/stderr to the
 server, which forks a launcher for it (in a session of its own, below a keeper: `benchmarks.harness.process_tree`)
-and sends back the keeper's pid and the launch's exit status. The server forks from a clean state (nothing but the
-imports has run in it), never from the pytest process. SIGUSR1 prints every thread's stack (`tests.launch.finish`
+and sends back the keeper's pid and the launch's exit status; the launch runs in the client's network, mount and
+host-name namespaces and CPU cgroup (`join_client`: a study's node launches through it), and is killed with its
+client. The server forks from a clean state (nothing but the imports has run in it), never from the pytest process. SIGUSR1 prints every thread's stack (`tests.launch.finish`
 asks for them before it kills a hung launch).
 """
 
