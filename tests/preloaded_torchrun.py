@@ -17,8 +17,8 @@ torchrun-args…``, a stdlib-only client that hands its argv, environment, folde
 server, which forks a launcher for it (in a session of its own, below a keeper: `benchmarks.harness.process_tree`)
 and sends back the keeper's pid and the launch's exit status; the launch runs in the client's network, mount and
 host-name namespaces and CPU cgroup (`join_client`: a study's node launches through it), and is killed with its
-client. The server forks from a clean state (nothing but the imports has run in it), never from the pytest process. SIGUSR1 prints every thread's stack (`tests.launch.finish`
-asks for them before it kills a hung launch).
+client. The server forks from a clean state (nothing but the imports has run in it), never from the pytest process.
+SIGUSR1 prints every thread's stack (`tests.launch.finish` asks for them before it kills a hung launch).
 """
 
 from __future__ import annotations
