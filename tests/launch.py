@@ -87,9 +87,13 @@ def launch_env(**extra: str) -> dict[str, str]:
 
 def study_launch_env() -> dict[str, str]:
     """What makes a study (``python -m benchmarks.<study>``) start its torchrun launches through this session's
-    launch server (`benchmarks.harness.torchrun`): forked after the imports, each in its client's network namespace
-    and cgroup. The studies' smoke tests run in seconds so; their kills and restarts (goodput, the elastic demo)
-    need real torchrun processes below the study and keep it."""
+    launch server (`benchmarks.harness.torchrun_command`): forked after the imports, each in its client's network
+    namespace and cgroup; a launch is killed with its client, so the studies' kills and restarts work as under
+    torchrun.
+    Nothing (plain torchrun) where the suite runs without the server (``HF_FEDSHARD_LAUNCH_SERVER=0``,
+    ``HF_FEDSHARD_PLAIN_TORCHRUN=1``)."""
+    if os.environ.get("HF_FEDSHARD_LAUNCH_SERVER", "1") != "1" or os.environ.get("HF_FEDSHARD_PLAIN_TORCHRUN") == "1":
+        return {}
     server, pids = _launch_server()
     client = f"{shlex.quote(sys.executable)} -S {shlex.quote(str(REPO / 'tests' / 'launch_client.py'))}"
     return {LAUNCHER_ENV: f"{client} {shlex.quote(server)}", "HF_FEDSHARD_LAUNCH_PIDS": pids}
