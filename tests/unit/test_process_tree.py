@@ -40,6 +40,14 @@ def _sleepers(marker: Path) -> list[int]:
     return found
 
 
+def _wait_for_sleepers(marker: Path, count: int = 3, within_s: float = 30.0) -> list[int]:
+    """Until the tree of ``marker`` runs its ``count`` sleeps (or ``within_s`` passed); their pids."""
+    deadline = time.monotonic() + within_s
+    while len(_sleepers(marker)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _sleepers(marker)
+
+
 def _gone(marker: Path, within_s: float) -> bool:
     deadline = time.monotonic() + within_s
     while any(_alive(p) for p in _sleepers(marker)) and time.monotonic() < deadline:
@@ -83,10 +91,7 @@ def test_the_owners_death_even_by_sigkill_stops_the_tree(tree):
     owner = subprocess.Popen([sys.executable, "-c", "import sys, time; from benchmarks.harness import process_tree; "
                               f"process_tree.popen({command!r}, env={env!r}, grace_s=0.5); time.sleep(300)"],
                              cwd=Path(process_tree.__file__).parents[2])  # fmt: skip
-    deadline = time.monotonic() + 30
-    while len(_sleepers(marker)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(_sleepers(marker)) == 3
+    assert len(_wait_for_sleepers(marker)) == 3
     owner.kill()
     owner.wait()
     assert _gone(marker, 3.0)
@@ -95,9 +100,7 @@ def test_the_owners_death_even_by_sigkill_stops_the_tree(tree):
 def test_kill_reaches_a_whole_tree_at_once_and_counts_it(tree):
     command, env, marker = tree("sleep 300")
     proc = process_tree.popen(command, env=env)
-    deadline = time.monotonic() + 30
-    while len(_sleepers(marker)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_for_sleepers(marker)
     assert process_tree.kill(proc) == 5  # the keeper, the shell and three sleeps
     assert proc.returncode == -signal.SIGKILL and _gone(marker, 1.0)
 
@@ -123,10 +126,7 @@ def test_a_launch_kept_for_a_client_is_killed_with_it_at_once(tree):
     keeper = subprocess.Popen([sys.executable, "-c", KEEP_FOR_CLIENT, str(client.pid), command[2]], env=env,
                               cwd=Path(process_tree.__file__).parents[2])  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while len(_sleepers(marker)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(_sleepers(marker)) == 3
+        assert len(_wait_for_sleepers(marker)) == 3
         client.kill()
         client.wait()
         assert keeper.wait(timeout=10) == 128 + signal.SIGKILL
