@@ -189,7 +189,7 @@ def launch_commands(cfg: GoodputConfig, path: str, data: Path, run_dir: Path, re
         return [faults.torchrun(cfg.ranks_per_group, [*train_args(cfg, data, run_dir, f"group{g}"), *extra,
                 "--fed_transport", "torchft", "--fed_lighthouse", rendezvous, "--fed_group_id", str(g),
                 "--fed_num_groups", str(cfg.groups)], max_restarts=100,
-                launcher=LAUNCHER.get(path, "torch.distributed.run")) for g in range(cfg.groups)]  # fmt: skip
+                launcher=LAUNCHER.get(path)) for g in range(cfg.groups)]  # fmt: skip
     args = [*train_args(cfg, data, run_dir, "job"), *extra, "--fed_group_size", str(cfg.ranks_per_group)]
     return [faults.torchrun(cfg.ranks_per_group, args, rendezvous, g, cfg.groups, max_restarts=100)
             for g in range(cfg.groups)]  # fmt: skip

@@ -75,7 +75,8 @@ def join_client(pid: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     joins = [kind for kind in ("mnt", "net", "uts")
              if os.stat(f"/proc/{pid}/ns/{kind}").st_ino != os.stat(f"/proc/self/ns/{kind}").st_ino]  # fmt: skip
-    for kind, fd in [(kind, os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)) for kind in joins]:
+    opened = [(kind, os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)) for kind in joins]  # before the mount ns moves
+    for kind, fd in opened:
         if libc.setns(fd, 0) != 0:
             raise OSError(ctypes.get_errno(), f"setns into process {pid}'s {kind} namespace")
         os.close(fd)

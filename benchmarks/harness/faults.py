@@ -73,15 +73,16 @@ LAUNCHERS = (b"torch.distributed.run", b"hf_fedshard.launch")  # torchrun, and t
 
 
 def torchrun(nproc: int, args: Sequence[str], rendezvous: str | None = None, node_rank: int = 0, nodes: int = 1,
-             max_restarts: int = 0, launcher: str = "torch.distributed.run") -> list[str]:  # fmt: skip
+             max_restarts: int = 0, launcher: str | None = None) -> list[str]:  # fmt: skip
     """One launch of bench_train.py: ``--standalone`` (a torchft group), or node ``node_rank`` of ``nodes`` of one job
     whose c10d rendezvous is at ``rendezvous`` (HOST:PORT; ``mesh``, restarted as a whole by ``max_restarts``);
-    ``launcher``: torchrun's module, or ``hf_fedshard.launch`` (the same flags, workers forked after the imports)."""
+    ``launcher``: a module run instead of torchrun (`torchrun_command`): ``hf_fedshard.launch``, the same flags with
+    workers forked after the imports."""
     where = ["--standalone"]
     if rendezvous is not None:
         where = [f"--nnodes={nodes}", f"--node_rank={node_rank}", "--rdzv-backend=c10d"]
         where.append(f"--rdzv-endpoint={rendezvous}")
-    start = torchrun_command() if launcher == "torch.distributed.run" else [sys.executable, "-m", launcher]
+    start = [sys.executable, "-m", launcher] if launcher else torchrun_command()
     return [*start, *where, f"--nproc_per_node={nproc}",
             f"--max-restarts={max_restarts}", str(TRAIN_SCRIPT), *args]  # fmt: skip
 
