@@ -12,8 +12,10 @@ over a store on a fake clock (`tests.round_world.SimulatedStore`), under the sim
   quorum's list. The quorum closes, for good (`compare_set`), once every nominal group claimed, or once every launch
   of the last quorum still alive claimed (newcomers ride along), or ``timeout_s`` after the first of those claimed
   (one of them died); the first quorum of a federation waits ``join_timeout_s`` for the others. A claim that came
-  after the close goes to the next quorum. A launch of a group supersedes its earlier ones (`group{G}/launches`):
-  a dead launch is noticed at once when its group restarts, and a live one superseded stops (I6).
+  after the close goes to the next quorum. A launch of a group supersedes its earlier ones once its first claim is
+  written (`group{G}/launches`, the newest launch number that claimed): a dead launch is noticed at once when its
+  group's restart asks for a quorum, and that restart is already in the quorum the others form then; a live launch
+  superseded stops (I6).
 - EXCHANGE: every collective posts this rank's tensor under the quorum's next operation and reads its peers'
   (the same sum order on every rank, so every group holds the same bits); a peer that is silent for ``timeout_s``,
   superseded, or that said it failed or left the quorum (`q{Q}/left/{position}`), fails the round (zeros, and a no
@@ -132,7 +134,8 @@ class StoreMembership:
         self.position, self.positions = position, positions  # this rank's shard position in its group, of how many
         self.timeout_s, self.join_timeout_s, self._poll = timeout_s, join_timeout_s, poll_s
         self._share, self._any_rank, self._clock, self._sleep = share, any_rank, clock, sleep
-        self.launch = share(store.add(f"group{group_id}/launches", 1) if position == 0 else None)
+        self.launch = share(store.add(f"group{group_id}/numbers", 1) if position == 0 else None)
+        self._announced = False  # whether this launch has superseded its group's earlier ones (`_announce`)
         self.count = self.lineage = self.heals = 0
         self.quorum, self.members = -1, ()  # the current quorum's number and its claims, by group
         self.error: str | None = None  # why a collective of this round failed (the vote is then no)
@@ -228,6 +231,7 @@ class StoreMembership:
                 quorum = int(self.store.add("open", 0))
                 slot = self.store.add(f"q{quorum}/claims", 1)
                 self.store.set(f"q{quorum}/claim{slot}", json.dumps(asdict(claim)))
+                self._announce()
                 members = self._close(quorum)
                 mine = [c for c in members if c.group == self.group]
                 if (mine and mine[0].launch != self.launch) or self._superseded(self.group, self.launch):
@@ -277,8 +281,20 @@ class StoreMembership:
             return []
         return [(c["group"], c["launch"]) for c in json.loads(self.store.get(f"q{quorum}/members"))]
 
+    def _announce(self) -> None:
+        """Supersede this group's earlier launches, once, after this launch's first claim is written: the peers that
+        notice the dead launch then find this one's claim in the quorum they ask for, rather than closing one
+        without it (a restart noticed before it claimed was left out of that quorum, healed one averaging later, and
+        the federation averaged that round without it)."""
+        if self._announced:
+            return
+        key, current = f"group{self.group}/launches", self.store.add(f"group{self.group}/launches", 0)
+        while current < self.launch:  # the newest number that claimed: raise it to ours unless a later one did
+            current = int(self.store.compare_set(key, str(current), str(self.launch)))
+        self._announced = True
+
     def _superseded(self, group: int, launch: int) -> bool:
-        """A later launch of ``group`` started: ``launch`` is dead (or must stop, I6)."""
+        """A later launch of ``group`` claimed a place in a quorum: ``launch`` is dead (or must stop, I6)."""
         return self.store.add(f"group{group}/launches", 0) > launch
 
     def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:

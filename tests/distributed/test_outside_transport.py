@@ -56,11 +56,13 @@ def test_a_transport_registered_from_outside_trains_two_groups_as_one_job_does(t
 
 @pytest.mark.timeout(400)
 def test_a_group_killed_mid_run_heals_from_the_other_through_the_store_and_both_end_as_one_job(tmp_path, one_job_h4):
-    """Group 1's rank 0 is SIGKILLed as step 6 begins and torchrun restarts the group: its new launch supersedes the
-    dead one at the store, so group 0's averaging of step 8 fails at once instead of after fed_timeout_s; the two
-    meet in the next quorum, where group 1 heals from group 0's state committed at step 4 (each rank its own shard
-    through the store), trains steps 5-8 again on the samples it read the first time, and the averaging of step 8
-    is redone by both. Both groups then end where one job ends, to the bit."""
+    """Group 1's rank 0 is SIGKILLed as step 6 begins and torchrun restarts the group: its new launch claims a place in
+    the open quorum and then supersedes the dead one at the store, so group 0's averaging of step 8 fails at once
+    instead of after fed_timeout_s, and the two meet in that quorum however slow the restart (under load, a restart
+    that superseded before it claimed once left group 0 to redo step 8 alone). Group 1 heals there from group 0's
+    state committed at step 4 (each rank its own shard through the store), trains steps 5-8 again on the samples it
+    read the first time, and the averaging of step 8 is redone by both. Both groups then end where one job ends, to
+    the bit."""
     kill = ["--kill_at_step", "6", "--fault_rank", "0", "--fault_group", "1", "--fed_timeout_s", "60"]
     dumps = store_groups(tmp_path, {0: ["--fed_timeout_s", "60"], 1: kill}, max_restarts={1: 1})
     assert [dumps[g][0]["started_at_step"] for g in range(2)] == [0, 4]  # group 1: healed to step 4's commit
