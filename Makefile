@@ -36,8 +36,12 @@ elastic-demo: install
 	$(PIP) install -e ".[elastic]"
 	$(PYTHON) -m benchmarks.elastic_demo
 
+# Two pytest workers (pytest-xdist; a module's tests on one worker, its fixtures built once): a third of a launched
+# test's time is its ranks waiting (timeouts, restarts, sockets), which the other worker's test fills.
+# TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
 test: install-dev
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 test-fast: install-dev
 	$(PYTHON) -m pytest -q tests/unit

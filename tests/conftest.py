@@ -8,6 +8,7 @@ test-fast`), ``tests/distributed/`` launches ranks (torchrun, ``accelerate launc
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -53,9 +54,14 @@ def ddp_4_ranks(tmp_path_factory):
 
 _seconds_by_folder: dict[str, float] = {}
 _seconds_by_test: dict[str, float] = {}
+_started: list[float] = []
 SUITE_BUDGET_S = 1080  # .ci/run's 20 minutes on a clean clone, less about 2 minutes of install and lint
 LONG_TEST_S = 60  # a test over this says in its docstring why it needs the time
 STUDY_SMOKE_S = 20  # a study's smoke test (tests/studies) runs every stage at its smallest size, in seconds
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _started.append(time.monotonic())
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -66,11 +72,15 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """Print the seconds per folder (unit, distributed, studies) against the budget: `.ci/run` in at most 20 minutes
-    on CI's 2 cores, the install and the lint included, which leaves the tests about 1,080 s."""
-    if _seconds_by_folder:
+    """Print the session's wall time against the budget (`.ci/run` in at most 20 minutes on CI's 2 cores, the
+    install and the lint included, which leaves the tests about 1,080 s), and the seconds of its tests per folder
+    (unit, distributed, studies): with `make test`'s two pytest workers these add up to more than the wall time."""
+    if _seconds_by_folder and _started:
+        wall_s = time.monotonic() - _started[0]
         parts = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in sorted(_seconds_by_folder.items()))
-        terminalreporter.write_line(f"time per folder: {parts} (budget: {SUITE_BUDGET_S:,} s in all on CI's 2 cores)")
+        terminalreporter.write_line(
+            f"{wall_s:.0f} s of pytest (budget: {SUITE_BUDGET_S:,} s on CI's 2 cores); test time per folder: {parts}"
+        )
     for nodeid, seconds in sorted(_seconds_by_test.items(), key=lambda item: -item[1]):
         if seconds > LONG_TEST_S:
             terminalreporter.write_line(f"over {LONG_TEST_S} s ({seconds:.0f} s; its docstring says why): {nodeid}")

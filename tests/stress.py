@@ -2,11 +2,12 @@
 test-stress``).
 
     python -m tests.stress                                   # tests/distributed and tests/studies, 5 times, 2 busy
-    python -m tests.stress --reps 3 --busy 2 tests/distributed/test_reliability.py -k checkpoint
+    python -m tests.stress --reps 3 --busy 2 --workers 0 tests/distributed/test_reliability.py -k checkpoint
 
 A shared CI machine runs the suite beside other jobs; a test that passes on a quiet machine and fails there fails a
 landing at random. Each repetition is one pytest session over the chosen tests (session fixtures are built once per
-repetition, as in CI), with ``--busy`` processes spinning beside it. The report lists every test that failed at
+repetition, as in CI) on ``--workers`` pytest workers (2, as `make test` runs them), with ``--busy`` processes
+spinning beside it. The report lists every test that failed at
 least once, how often, and the first failure's message; ``--report`` writes it as JSON with every failure's output.
 Exits 1 if any test failed.
 """
@@ -38,10 +39,14 @@ def parse_junit(path: Path) -> dict[str, str | None]:
     return outcomes
 
 
-def one_repetition(tests: list[str], junit: Path, timeout_s: float) -> tuple[dict[str, str | None], float]:
-    """One pytest session over ``tests``; every test's outcome and the session's seconds."""
+def one_repetition(
+    tests: list[str], junit: Path, timeout_s: float, workers: int
+) -> tuple[dict[str, str | None], float]:
+    """One pytest session over ``tests`` (on ``workers`` pytest workers, as `make test` runs them; 0: in one
+    process); every test's outcome and the session's seconds."""
     started = time.monotonic()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *tests]
+    parallel = ["-n", str(workers), "--dist", "loadscope"] if workers else []
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *parallel, f"--junitxml={junit}", *tests]
     try:
         subprocess.run(cmd, cwd=REPO, timeout=timeout_s, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     except subprocess.TimeoutExpired:
@@ -51,7 +56,7 @@ def one_repetition(tests: list[str], junit: Path, timeout_s: float) -> tuple[dic
     return parse_junit(junit), time.monotonic() - started
 
 
-def hunt(tests: list[str], reps: int, busy: int, timeout_s: float) -> dict:
+def hunt(tests: list[str], reps: int, busy: int, timeout_s: float, workers: int = 0) -> dict:
     """Run ``tests`` ``reps`` times beside ``busy`` spinning processes; the failures by test and the times."""
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(busy)]
     failures: dict[str, list[str]] = {}
@@ -59,7 +64,7 @@ def hunt(tests: list[str], reps: int, busy: int, timeout_s: float) -> dict:
     try:
         with tempfile.TemporaryDirectory() as folder:
             for rep in range(reps):
-                outcomes, took = one_repetition(tests, Path(folder) / f"rep{rep}.xml", timeout_s)
+                outcomes, took = one_repetition(tests, Path(folder) / f"rep{rep}.xml", timeout_s, workers)
                 seconds.append(round(took, 1))
                 counted = max(counted, len(outcomes))
                 for name, failure in outcomes.items():
@@ -71,13 +76,14 @@ def hunt(tests: list[str], reps: int, busy: int, timeout_s: float) -> dict:
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
-    return {"tests": tests, "reps": reps, "busy": busy, "tests_run": counted, "seconds": seconds,
-            "failures": failures}  # fmt: skip
+    return {"tests": tests, "reps": reps, "busy": busy, "workers": workers, "tests_run": counted,
+            "seconds": seconds, "failures": failures}  # fmt: skip
 
 
 def summary(report: dict) -> str:
     took = ", ".join(f"{s:.0f}" for s in report["seconds"])
-    lines = [f"{report['tests_run']} tests × {report['reps']} repetitions beside {report['busy']} busy processes "
+    on = f" on {report['workers']} pytest workers" if report.get("workers") else ""
+    lines = [f"{report['tests_run']} tests × {report['reps']} repetitions{on} beside {report['busy']} busy processes "
              f"({took} s): {len(report['failures'])} failed at least once"]  # fmt: skip
     for name, runs in sorted(report["failures"].items()):
         first = runs[0].strip().splitlines()
@@ -91,6 +97,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", dest="keyword", help="pytest's -k expression, applied to every repetition.")
     p.add_argument("--reps", type=int, default=5, help="Repetitions of every test (default 5).")
     p.add_argument("--busy", type=int, default=2, help="Spinning processes beside the tests (default 2: CI's cores).")
+    p.add_argument("--workers", type=int, default=2, help="pytest workers (default 2, as make test; 0: one process).")
     p.add_argument("--timeout-s", type=float, default=5400, help="Bound on one repetition (default 5,400 s).")
     p.add_argument("--report", type=Path, help="Write the report, every failure's output included, as JSON here.")
     return p
@@ -99,7 +106,7 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     tests = [*args.tests, *(["-k", args.keyword] if args.keyword else [])]
-    report = hunt(tests, args.reps, args.busy, args.timeout_s)
+    report = hunt(tests, args.reps, args.busy, args.timeout_s, args.workers)
     print(summary(report))
     if args.report:
         args.report.write_text(json.dumps(report, indent=1))

@@ -28,8 +28,9 @@ def test_failures_and_errors_are_read_with_their_text_and_passes_and_skips_are_n
 
 def test_the_summary_names_each_failed_test_with_how_often_and_its_first_message():
     failures = {"t::flaky": ["repetition 1: AssertionError: 3 == 4\ntail", "repetition 4: other"]}
-    report = {"tests": [], "reps": 5, "busy": 2, "tests_run": 4, "seconds": [40.2, 39.6], "failures": failures}
+    report = {"tests": [], "reps": 5, "busy": 2, "workers": 2, "tests_run": 4, "seconds": [40.2, 39.6],
+              "failures": failures}  # fmt: skip
     assert summary(report).splitlines() == [
-        "4 tests × 5 repetitions beside 2 busy processes (40, 40 s): 1 failed at least once",
+        "4 tests × 5 repetitions on 2 pytest workers beside 2 busy processes (40, 40 s): 1 failed at least once",
         "  t::flaky: failed 2 of 5: repetition 1: AssertionError: 3 == 4",
     ]
