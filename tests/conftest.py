@@ -1,5 +1,6 @@
 """Fixtures shared by the tests: in-process settings, and multi-process runs that several test files assert on
-(each launched once per session: a 4-rank launch costs about 15 CPU-seconds, most of it the ranks' start-up).
+(each launched once per session, which under `make test`'s two pytest workers is once per worker that needs it: a
+4-rank launch costs about 15 CPU-seconds, most of it the ranks' start-up).
 
 The suite is laid out by cost: ``tests/unit/`` runs in this process (fake communicators, pure functions; `make
 test-fast`), ``tests/distributed/`` launches ranks (torchrun, ``accelerate launch``, a torchft lighthouse), and
