@@ -1,0 +1,79 @@
+"""The SLURM batch script users submit (`recipes/slurm/pretrain.sbatch`), under a fake SLURM on this host
+(`tests/fake_slurm`: the batch shell expands the script once, as node 0; srun starts one task per node with that
+node's own variables). 2 nodes × 2 CPU ranks end on the model one torchrun of the same 4 ranks saves, to the bit;
+the line the README showed before, whose ``$SLURM_NODEID`` the batch shell expanded, tells both nodes they are node
+0 and saves nothing.
+
+Over 60 s on a loaded machine (68 s beside a flake hunt of two pytest workers and two spinners): two launches of 4 ranks
+forked from the launch server, each with its start-up and save, and the old line's 20 s wait before it is stopped."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import tempfile
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from benchmarks.harness import process_tree
+
+from ..launch import REPO, finish, launch_env, study_launch_env, torchrun
+
+FAKE = REPO / "tests" / "fake_slurm"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+TRAIN = ["--model_size", "micro", "--block_size", "64", "--per_device_train_batch_size", "2", "--max_steps", "4",
+         "--max_eval_samples", "8", "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none",
+         "--disable_tqdm", "true"]  # fmt: skip
+FED = ["--fed_group_size", "2", "--fed_sync_steps", "2"]
+# The README's SLURM line until this test came (recipes/slurm/pretrain.sbatch replaced it), scaled to this host.
+OLD_LINE = """#!/bin/bash
+export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+srun torchrun --nnodes $SLURM_NNODES --nproc_per_node 2 --node_rank $SLURM_NODEID \\
+    --rdzv_endpoint $MASTER_ADDR:$MASTER_PORT recipes/pretrain_clm.py $FED_ARGS $TRAIN_ARGS
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sbatch(script, out, timeout_s: float, **env: str) -> subprocess.CompletedProcess:
+    """``sbatch --nodes 2 script`` on the fake SLURM: 2 GPUs per node are 2 CPU ranks, the rest from the variables."""
+    variables = {**launch_env(), **study_launch_env(), **OFFLINE, "PATH": f"{FAKE}:{launch_env()['PATH']}",
+                 "GPUS_PER_NODE": "2", "MASTER_PORT": str(_free_port()), "FED_ARGS": " ".join(FED),
+                 "TRAIN_ARGS": " ".join([*TRAIN, "--output_dir", str(out)]), **env}  # fmt: skip
+    output = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read and closed by finish)
+    proc = process_tree.popen([FAKE / "sbatch", "--nodes", "2", script], cwd=REPO, env=variables, stdout=output,
+                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc.output = output
+    return finish(proc, timeout_s)
+
+
+@pytest.mark.timeout(500)
+def test_the_sbatch_script_trains_two_nodes_as_one_host_does_and_the_old_line_tells_both_they_are_node_0(tmp_path):
+    one_host = tmp_path / "one-host"
+    reference = torchrun(4, REPO / "recipes" / "pretrain_clm.py", [*FED, *TRAIN, "--output_dir", one_host], 300)
+    assert reference.returncode == 0, reference.stdout[-3000:]
+
+    result = _sbatch(REPO / "recipes" / "slurm" / "pretrain.sbatch", tmp_path / "slurm", 300)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert "srun: task 1 on node 1: bash -c" in result.stdout, result.stdout[-3000:]
+    ours, theirs = load_file(tmp_path / "slurm" / "model.safetensors"), load_file(one_host / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for name, value in ours.items():
+        assert torch.equal(value, theirs[name]), name
+
+    old = tmp_path / "old.sbatch"
+    old.write_text(OLD_LINE)
+    try:  # it hangs (node "0"'s torchrun waits in the rendezvous for a node 1 that never comes) or fails
+        failed = _sbatch(old, tmp_path / "old", 20)
+        output = failed.stdout if failed.returncode != 0 else "it ended well"
+    except TimeoutError as hung:
+        output = str(hung)
+    told = [line for line in output.splitlines() if line.startswith("srun: task")]
+    assert len(told) == 2 and all("--node_rank 0 " in line for line in told), output[-3000:]
+    assert not (tmp_path / "old" / "model.safetensors").exists()
