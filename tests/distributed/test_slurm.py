@@ -45,8 +45,9 @@ def _free_port() -> int:
 def _sbatch(script, out, timeout_s: float, **env: str) -> subprocess.CompletedProcess:
     """``sbatch --nodes 2 script`` on the fake SLURM: 2 GPUs per node are 2 CPU ranks, the rest from the variables."""
     variables = {**launch_env(), **study_launch_env(), **OFFLINE, "PATH": f"{FAKE}:{launch_env()['PATH']}",
-                 "PYTHON": sys.executable, "GPUS_PER_NODE": "2", "MASTER_PORT": str(_free_port()), "FED_ARGS": " ".join(FED),
-                 "TRAIN_ARGS": " ".join([*TRAIN, "--output_dir", str(out)]), **env}  # fmt: skip
+                 "PYTHON": sys.executable, "GPUS_PER_NODE": "2", "MASTER_PORT": str(_free_port()),
+                 "FED_ARGS": " ".join(FED), "TRAIN_ARGS": " ".join([*TRAIN, "--output_dir", str(out)]),
+                 **env}  # fmt: skip
     output = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read and closed by finish)
     proc = process_tree.popen([FAKE / "sbatch", "--nodes", "2", script], cwd=REPO, env=variables, stdout=output,
                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
