@@ -79,3 +79,19 @@ def test_the_sbatch_script_trains_two_nodes_as_one_host_does_and_the_old_line_te
     told = [line for line in output.splitlines() if line.startswith("srun: task")]
     assert len(told) == 2 and all("--node_rank 0 " in line for line in told), output[-3000:]
     assert not (tmp_path / "old" / "model.safetensors").exists()
+
+
+@pytest.mark.timeout(400)
+def test_the_torchft_sbatch_script_runs_a_lighthouse_and_a_job_step_per_group_ending_on_one_model(tmp_path):
+    """`recipes/slurm/pretrain_torchft.sbatch` on 2 fake nodes of 1 rank: the lighthouse on the first node, a job
+    step per group (``srun --relative G``), both groups averaging to the end and saving one model, to the bit."""
+    out = tmp_path / "out"
+    result = _sbatch(REPO / "recipes" / "slurm" / "pretrain_torchft.sbatch", out, 300, GPUS_PER_NODE="1",
+                     LIGHTHOUSE_PORT=str(_free_port()), FED_ARGS="--fed_sync_steps 2 --fed_timeout_s 60")  # fmt: skip
+    assert result.returncode == 0, result.stdout[-6000:]
+    steps = sorted(line.split(":")[1].strip() for line in result.stdout.splitlines() if line.startswith("srun: task"))
+    assert steps == ["task 0 on node 0", "task 0 on node 1"], result.stdout[-3000:]  # one job step per group
+    models = [load_file(out / f"fed_group{g}" / "model.safetensors") for g in range(2)]
+    assert models[0].keys() == models[1].keys()
+    for name, value in models[0].items():
+        assert torch.equal(value, models[1][name]), name
