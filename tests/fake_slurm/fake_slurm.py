@@ -7,7 +7,8 @@ expands the script's words once, with ``SLURM_NODEID=0``, before srun starts the
 
     tests/fake_slurm/sbatch [--nodes N] SCRIPT [ARGS]    # what a test runs; srun and scontrol come on its PATH
 
-Standard library only. Each task's command line is printed (``srun: task T on node N: ...``) before it starts.
+Standard library only. Each task's command line is printed (``srun: task T on node N: ...``) before it starts, and
+appended to the file ``$FAKE_SLURM_LOG`` names, if it does.
 """
 
 from __future__ import annotations
@@ -46,7 +47,11 @@ def srun(argv: list[str]) -> int:
     for task, node in enumerate(range(first, first + nodes)):
         env = {**os.environ, "SLURM_NODEID": str(node), "SLURM_PROCID": str(task), "SLURM_LOCALID": "0",
                "SLURM_STEP_NUM_NODES": str(nodes)}  # fmt: skip
-        print(f"srun: task {task} on node {node}: {shlex.join(argv)}", flush=True)
+        said = f"srun: task {task} on node {node}: {shlex.join(argv)}"
+        print(said, flush=True)
+        if os.environ.get("FAKE_SLURM_LOG"):  # also where a test reads it whatever the tasks print after
+            with open(os.environ["FAKE_SLURM_LOG"], "a") as log:
+                log.write(said + "\n")
         tasks.append(subprocess.Popen(argv, env=env, start_new_session=True))
     return _wait(tasks, kill_on_bad_exit)
 
