@@ -70,9 +70,15 @@ def start_torchrun(
         cmd = [sys.executable, str(REPO / "tests" / "preloaded_torchrun.py"), *torchrun_args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
-    # Output into a file, not a pipe: several launches run at once and `finish` reads each when it ends; a pipe
-    # nobody reads yet fills (64 KiB) and blocks the launch in a print (the killed-group elastic test's flake: the
-    # restarted group, the wordiest, stopped at step 47 until the test had finished reading another group).
+    return start(cmd, env)
+
+
+def start(cmd: list, env: dict[str, str]) -> subprocess.Popen:
+    """Start ``cmd`` in the repository below a keeper (`process_tree`), its output into a file; `finish` waits.
+
+    A file, not a pipe: several launches run at once and `finish` reads each when it ends; a pipe nobody reads yet
+    fills (64 KiB) and blocks the launch in a print (the killed-group elastic test's flake: the restarted group, the
+    wordiest, stopped at step 47 until the test had finished reading another group)."""
     output = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read and closed by finish)
     proc = process_tree.popen(cmd, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
     proc.output = output

@@ -12,18 +12,15 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.harness import process_tree
-
-from ..launch import REPO, finish, launch_env, study_launch_env, torchrun
+from ..launch import REPO, finish, launch_env, start, study_launch_env, torchrun
+from .test_recipes import OFFLINE
 
 FAKE = REPO / "tests" / "fake_slurm"
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 TRAIN = ["--model_size", "micro", "--block_size", "64", "--per_device_train_batch_size", "2", "--max_steps", "4",
          "--max_eval_samples", "8", "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none",
          "--disable_tqdm", "true"]  # fmt: skip
@@ -48,11 +45,13 @@ def _sbatch(script, out, timeout_s: float, **env: str) -> subprocess.CompletedPr
                  "PYTHON": sys.executable, "GPUS_PER_NODE": "2", "MASTER_PORT": str(_free_port()),
                  "FED_ARGS": " ".join(FED), "TRAIN_ARGS": " ".join([*TRAIN, "--output_dir", str(out)]),
                  **env}  # fmt: skip
-    output = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read and closed by finish)
-    proc = process_tree.popen([FAKE / "sbatch", "--nodes", "2", script], cwd=REPO, env=variables, stdout=output,
-                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    proc.output = output
-    return finish(proc, timeout_s)
+    return finish(start([FAKE / "sbatch", "--nodes", "2", script], variables), timeout_s)
+
+
+def _assert_same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name, value in a.items():
+        assert torch.equal(value, b[name]), name
 
 
 @pytest.mark.timeout(500)
@@ -64,10 +63,7 @@ def test_the_sbatch_script_trains_two_nodes_as_one_host_does_and_the_old_line_te
     result = _sbatch(REPO / "recipes" / "slurm" / "pretrain.sbatch", tmp_path / "slurm", 300)
     assert result.returncode == 0, result.stdout[-6000:]
     assert "srun: task 1 on node 1: bash -c" in result.stdout, result.stdout[-3000:]
-    ours, theirs = load_file(tmp_path / "slurm" / "model.safetensors"), load_file(one_host / "model.safetensors")
-    assert ours.keys() == theirs.keys()
-    for name, value in ours.items():
-        assert torch.equal(value, theirs[name]), name
+    _assert_same_bits(load_file(tmp_path / "slurm" / "model.safetensors"), load_file(one_host / "model.safetensors"))
 
     old = tmp_path / "old.sbatch"
     old.write_text(OLD_LINE)
@@ -86,13 +82,12 @@ def test_the_sbatch_script_trains_two_nodes_as_one_host_does_and_the_old_line_te
 def test_the_torchft_sbatch_script_runs_a_lighthouse_and_a_job_step_per_group_ending_on_one_model(tmp_path):
     """`recipes/slurm/pretrain_torchft.sbatch` on 2 fake nodes of 1 rank: the lighthouse on the first node, a job
     step per group (``srun --relative G``), both groups averaging to the end and saving one model, to the bit."""
-    out = tmp_path / "out"
+    out, tasks = tmp_path / "out", tmp_path / "tasks.log"
     result = _sbatch(REPO / "recipes" / "slurm" / "pretrain_torchft.sbatch", out, 300, GPUS_PER_NODE="1",
-                     LIGHTHOUSE_PORT=str(_free_port()), FED_ARGS="--fed_sync_steps 2 --fed_timeout_s 60")  # fmt: skip
+                     LIGHTHOUSE_PORT=str(_free_port()), FED_ARGS="--fed_sync_steps 2 --fed_timeout_s 60",
+                     FAKE_SLURM_LOG=str(tasks))  # fmt: skip
     assert result.returncode == 0, result.stdout[-6000:]
-    steps = sorted(line.split(":")[1].strip() for line in result.stdout.splitlines() if line.startswith("srun: task"))
-    assert steps == ["task 0 on node 0", "task 0 on node 1"], result.stdout[-3000:]  # one job step per group
-    models = [load_file(out / f"fed_group{g}" / "model.safetensors") for g in range(2)]
-    assert models[0].keys() == models[1].keys()
-    for name, value in models[0].items():
-        assert torch.equal(value, models[1][name]), name
+    # from the file: the job steps print at once into one output, where a line can run into another
+    steps = sorted(line.split(":")[1].strip() for line in tasks.read_text().splitlines())
+    assert steps == ["task 0 on node 0", "task 0 on node 1"], steps  # one job step per group
+    _assert_same_bits(*(load_file(out / f"fed_group{g}" / "model.safetensors") for g in range(2)))
