@@ -31,6 +31,7 @@ from .tiny_federation import build, train_step
 H, STEPS, STEP_S, CHECKPOINT_EVERY = 4, 24, 1.0, 8
 TIMEOUT_S, JOIN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S = 20.0, 3.0, 5.0
 POLL_S = 0.2  # the store membership's reading interval (fake seconds: it costs only the test's time)
+NO_QUORUM = "got no quorum of the federation"
 LEFT_BEHIND = "it was sent a peer's state of step"  # the Trainer's words, `FedShardMixin._check_peer_step`
 HEAL_LOST = "could not heal from"  # a heal whose source died during the copy (the transports' words)
 
@@ -152,6 +153,8 @@ class Finished:
     tensors: list[torch.Tensor]
     syncs: int
     commits: list[tuple[int, tuple[int, ...]]]
+    at: float = 0.0  # when it ended (after END)
+    missing: list[int] | None = None  # the groups END never met
 
 
 @dataclass
@@ -163,14 +166,16 @@ class World:
     groups: int = 3
     backend: str = "lighthouse"
     steps: int = STEPS
-    options: dict[str, Any] = field(default_factory=dict)  # the averaging's settings besides H (fragments, overlap)
+    options: dict[str, Any] = field(default_factory=dict)  # the averaging's settings (H = 4 unless sync_steps)
     sim: Simulation = field(init=False)
     launches: list[Launch] = field(default_factory=list)
     finished: list[Finished] = field(default_factory=list)
     checkpoints: dict[int, dict[int, dict]] = field(default_factory=dict)  # group -> step -> state
     log: list[str] = field(default_factory=list)
+    stops: list[tuple[int, float, float]] = field(default_factory=list)  # (group, from, until) of every stop
 
     def __post_init__(self) -> None:
+        self.averaging = {"sync_steps": H, **self.options}
         self.sim = Simulation(self.seed)
         self._faults = random.Random(self.seed + 1_000_003)
         self.meeting = BACKENDS[self.backend](self.sim)
@@ -201,6 +206,9 @@ class World:
         self.sim.at(at, kill)
 
     def stop(self, group: int, at: float, seconds: float) -> None:
+        """SIGSTOP ``group``'s live launch at ``at``, SIGCONT ``seconds`` later."""
+        self.stops.append((group, at, at + seconds))
+
         def stop() -> None:
             for launch in self.live(group):
                 self.sim.stop(launch.thread, seconds)
@@ -291,18 +299,18 @@ class World:
         if held:  # healed before training: resume from the peer's committed state
             position["step"] = held["trainer"]["step"]
             averager = FederatedAverager(
-                model, optimizer, communicator=comm, sync_steps=H, average_initial_weights=False, **self.options
+                model, optimizer, communicator=comm, average_initial_weights=False, **self.averaging
             )
             averager.load_peer_state(held["averager"])
             heal.commit()  # a group that joins later may heal from this one
         elif checkpoint is not None:
             load_model_state(model, checkpoint["model"])
             averager = FederatedAverager(
-                model, optimizer, communicator=comm, sync_steps=H, average_initial_weights=False, **self.options
+                model, optimizer, communicator=comm, average_initial_weights=False, **self.averaging
             )
             averager.load_state_dict(copy.deepcopy(checkpoint["averager"]))
         else:
-            averager = FederatedAverager(model, optimizer, communicator=comm, sync_steps=H, **self.options)
+            averager = FederatedAverager(model, optimizer, communicator=comm, **self.averaging)
         while position["step"] < self.steps:
             self.sim.sleep(STEP_S)
             position["step"] += 1
@@ -314,22 +322,72 @@ class World:
                     "model": [t.detach().clone() for t in model_state_tensors(model)],
                     "averager": copy.deepcopy(averager.state_dict()),
                 }
+        averager.finish()  # as the Trainer's on_train_end: END, also for a launch that healed to the last step
         tensors = [t.detach().clone() for t in model_state_tensors(model)]
-        self.finished.append(Finished(launch.id, group, tensors, averager.counters.syncs, federation.commits))
+        ended = getattr(federation, "ended", None)
+        self.finished.append(
+            Finished(launch.id, group, tensors, averager.counters.syncs, federation.commits, self.sim.now, ended)
+        )
 
     # ---- What must hold ----
 
     def check(self, allowed_errors: tuple[str, ...] = ()) -> None:
         """No error but the ``allowed_errors`` (substrings); every group finished once, all on one model, with one
-        averaging count, and every commit's members were one quorum."""
+        averaging count (I9, I10). Beyond I10's bound: a group stopped until less than a round before another ended
+        (its END waited for it in vain) may end apart, each naming the other, or fail (an allowed error)."""
         unexpected = [(n, e) for n, e in self.sim.errors if not any(a in str(e) for a in allowed_errors)]
         assert not unexpected, f"seed {self.seed}: {unexpected[0][0]}: {unexpected[0][1]!r}\n" + "\n".join(self.log)
-        groups = sorted(f.group for f in self.finished)
-        assert groups == list(range(self.groups)), f"seed {self.seed}: finished {groups}\n" + "\n".join(self.log)
+        groups = {f.group for f in self.finished}
+        late = {g for g in range(self.groups) if any(self._late(g, f.at) for f in self.finished if f.group != g)}
+        assert len(groups) == len(self.finished) and groups | late == set(range(self.groups)), (
+            f"seed {self.seed}: finished {sorted(f.group for f in self.finished)}\n" + "\n".join(self.log)
+        )
         first = self.finished[0]
         for other in self.finished[1:]:
-            assert other.syncs == first.syncs, (self.seed, [(f.group, f.syncs) for f in self.finished], self.log)
-            for a, b in zip(first.tensors, other.tensors, strict=True):
-                assert torch.equal(a, b), (
-                    f"seed {self.seed}: groups {first.group} and {other.group} differ\n" + "\n".join(self.log)
-                )
+            same = other.syncs == first.syncs and all(
+                torch.equal(a, b) for a, b in zip(first.tensors, other.tensors, strict=True)
+            )
+            assert same or self._ended_apart(first, other), (
+                f"seed {self.seed}: groups {first.group} and {other.group} differ\n" + "\n".join(self.log)
+            )
+
+    def _ended_apart(self, a: Finished, b: Finished) -> bool:
+        """Whether one of ``a``, ``b`` was late for the other's END, and each named the other as never met."""
+        named = b.group in (a.missing or []) and a.group in (b.missing or [])
+        return named and (self._late(a.group, b.at) or self._late(b.group, a.at))
+
+    def _late(self, group: int, time: float) -> bool:
+        """Whether ``group`` was stopped at ``time``, or until less than a round (H steps) before it: back too late
+        to ask for a quorum before then (it finishes the round it was in first)."""
+        round_s = self.averaging["sync_steps"] * STEP_S
+        return any(g == group and start <= time <= until + round_s for g, start, until in self.stops)
+
+
+def schedule(
+    seed: int, backend: str = "lighthouse", steps: int = STEPS, long_stops: bool = False, **options: Any
+) -> tuple[World, tuple[str, ...]]:
+    """A seeded fault schedule of ``steps`` steps: one to three kills (each restarted after 0–10 s), stops (shorter
+    than the timeout; with ``long_stops`` up to four times it, past the end of the run too), rounds that do not
+    commit (one rank votes no), or a lost lighthouse and a staggered full resume; ``options``: the averaging's
+    settings. Returns the world and the errors it may raise."""
+    rng = random.Random(seed)
+    groups = rng.choice([2, 3, 4])
+    world = World(seed=seed, groups=groups, backend=backend, steps=steps, options=options)
+    for g in range(groups):
+        world.start(g, at=rng.choice([0.0, 0.0, rng.uniform(0, JOIN_TIMEOUT_S)]))
+    kind = rng.choice(["kills", "kills", "stops", "votes", "resume"])
+    if kind == "resume":
+        lost = rng.uniform(CHECKPOINT_EVERY * STEP_S + 1, (steps - 3) * STEP_S)
+        world.lose_lighthouse(at=lost)
+        world.full_resume(at=lost + TIMEOUT_S + 1, delays=[rng.uniform(0, TIMEOUT_S / 2) for _ in range(groups)])
+        return world, (NO_QUORUM,)
+    longest = 4 * TIMEOUT_S if long_stops else TIMEOUT_S / 2
+    for _ in range(rng.randint(1, 3)):
+        at = rng.uniform(1, (steps / 2) * STEP_S)
+        if kind == "kills":
+            world.kill(rng.randrange(groups), at, restart_after=rng.choice([0.1, 0.5, 1, 2, 5, 10]) * rng.random())
+        elif kind == "votes":
+            world.fail_round(rng.randrange(groups), at)
+        else:
+            world.stop(rng.randrange(groups), at, seconds=rng.uniform(0.1, longest))
+    return world, (NO_QUORUM,) if long_stops else ()

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from hf_fedshard.engine import FederationCommunicator
 from hf_fedshard.engine.communicator import GroupThenPeers, Round
-from hf_fedshard.engine.rounds import HealState, join, lead, next_lineage
+from hf_fedshard.engine.rounds import HealState, end_round, join, lead, next_lineage
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.transports import FederationRequest, GroupLaunch, register_transport
 from hf_fedshard.transports.members import differing_settings
@@ -137,6 +137,7 @@ class StoreMembership:
         self.launch = share(store.add(f"group{group_id}/numbers", 1) if position == 0 else None)
         self._announced = False  # whether this launch has superseded its group's earlier ones (`_announce`)
         self.count = self.lineage = self.heals = 0
+        self.ended: list[int] | None = None  # the groups END never met (`end`)
         self.quorum, self.members = -1, ()  # the current quorum's number and its claims, by group
         self.error: str | None = None  # why a collective of this round failed (the vote is then no)
         self.commits: list[tuple[int, tuple[int, ...]]] = []  # (quorum, its groups) of every round committed
@@ -164,12 +165,13 @@ class StoreMembership:
         changed = previous != [(c.group, c.launch) for c in self.members]
         target = lead([(c.group, c.count, c.lineage) for c in self.members])
         source = next(c for c in self.members if (c.count, c.lineage) == target)
+        groups = tuple(c.group for c in self.members if (c.count, c.lineage) == target)
         if (self.count, self.lineage) == target:
             if source.group == self.group and any((c.count, c.lineage) != target for c in self.members):
                 self._send_state()
-            return Round(healed=False, changed=changed)
+            return Round(healed=False, changed=changed, on_lead=groups)
         self._take(source, target)
-        return Round(healed=True, changed=changed)
+        return Round(healed=True, changed=changed, on_lead=groups)
 
     def commit(self) -> bool:
         """COMMIT: this rank votes yes iff its collectives succeeded; the group takes the round iff every rank of
@@ -188,6 +190,15 @@ class StoreMembership:
         self.lineage = next_lineage(self.lineage, self.count, groups)
         self.commits.append((self.quorum, groups))
         return True
+
+    def end(self, new_quorum: Callable[[Round], None], last: Round | None) -> list[int]:
+        """END (`hf_fedshard.engine.rounds.end_round`), on the first rank's clock."""
+        clock = lambda: self._share(self._clock())  # noqa: E731 (every rank of the group decides alike)
+        name = f"fed_group{self.group}" if self.position == 0 else ""
+        self.ended = end_round(
+            self, self.heal, new_quorum, last, self.num_groups, self.timeout_s, clock, self._sleep, name
+        )
+        return self.ended
 
     def metrics(self) -> dict[str, float]:
         return {"fed_groups_in_quorum": len(self.members), "fed_heals": self.heals}

@@ -130,6 +130,7 @@ class FederatedAverager:
         self._finished = self._lending = False
         self._groups_evaluated_at: int | None = None
         self._lent: tuple[int, list[torch.Tensor] | None] | None = None  # a lend round's (step, means; None: healed)
+        self._last_round: Round | None = None  # the last quorum formed (`finish` starts the END round from it)
         self._observers: list[AveragingObserver] = []
         params = model_state_tensors(model)[: self._trainable]
         device = outer_state_device(params, options.outer_state_on_device)
@@ -221,6 +222,8 @@ class FederatedAverager:
             self._average(stale)
         if self._norms is not None and self.comm.membership is None:  # a round of its own is not worth the wait
             self._agree([])
+        if self.comm.membership is not None:  # END (`hf_fedshard.engine.rounds` I10): late groups heal from here
+            self.comm.membership.end(self._new_quorum, self._last_round)
         self._worker.shutdown()
         self._finished = True
 
@@ -595,6 +598,7 @@ class FederatedAverager:
 
     def _new_quorum(self, formed: Round) -> None:
         """The pending norms are dropped where the quorum changed (their slots were the old quorum's)."""
+        self._last_round = formed
         if formed.changed:
             self._norms = None
 

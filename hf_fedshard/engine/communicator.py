@@ -26,6 +26,7 @@ Tests run the whole engine in one process with a fake `Communicator` per rank (t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -127,6 +128,11 @@ class Membership(Protocol):
 
     def metrics(self) -> dict[str, float]: ...
 
+    def end(self, new_quorum: Callable[[Round], None], last: Round | None) -> list[int]:
+        """The END of training (`hf_fedshard.engine.rounds.end_round`, I10) with this transport's clock: the nominal
+        groups never met on this group's final model."""
+        ...
+
 
 class RoundGroups(Protocol):
     """Groups of unequal size whose set changes between rounds (``fed_transport torchft``): the current round's,
@@ -140,10 +146,12 @@ class RoundGroups(Protocol):
 @dataclass(frozen=True)
 class Round:
     """What `Membership.next_round` did: ``healed``: this group took a peer's state; ``changed``: the quorum is
-    not the previous round's (groups left or joined)."""
+    not the previous round's (groups left or joined); ``on_lead``: the nominal ids of the quorum's groups that held
+    its lead when it formed (those that heal there are not among them; ``()``: unknown, e.g. its table failed)."""
 
     healed: bool = False
     changed: bool = False
+    on_lead: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@ One rank's round, for one averaging::
        └──────── REDO ◄────────┘ not committed: a new quorum of the groups alive; the local progress is kept
                                  (or HEAL there, if this group is behind: its round is over)
 
+    after the final averaging:  END ──► QUORUM ──► END ... until every nominal group met this group on its final
+                                        model, or fed_timeout_s passed (I10); then the group saves and exits
+
 - QUORUM: the transport forms the quorum of the groups alive (`Membership.next_round`). A group behind the others
   (it has just started, or lost a round they committed) receives a live group's committed state there (HEAL); the
   transport hands it to `HealState.receive`, and the round applies it after the quorum formed, never inside it.
@@ -37,6 +40,21 @@ Invariants (asserted where they can fail cheaply):
   commit from the count and the groups that committed (`next_lineage`); two quorums that committed the same averaging
   apart (a group redid a round alone while the others redid it together) hold different codes, and when they meet
   every group not on the lead (`lead`: the highest count, then the code most groups hold) heals from one that is.
+
+- I9 one federation: two groups alive never commit averagings in disjoint quorums for long. A group that stalls
+  (SIGSTOP, a long pause) past ``fed_timeout_s`` is left out of the quorums the others form meanwhile; when it is
+  back, its next round fails (its quorum is gone) and it asks again. It cannot form a quorum of its own while the
+  others are alive (torchft's lighthouse: a quorum holds more than half of the live groups; the store transport:
+  a quorum waits for every live launch of the last one), so it meets them at their next ask, is off the lead (I8)
+  and heals, or is left behind by more than a round and exits to be healed at its restart. Checked by the
+  simulator with stalls of many lengths at every point of a run (tests/unit/test_round_simulator.py).
+- I10 the end of training is a round: a group that applied its final averaging does not exit at once (END): it
+  forms quorums every half second, serving its committed final model, until every nominal group has been in a
+  quorum with it on that model (on the lead, or healed to it there), or ``fed_timeout_s`` passed (``end``). A group
+  that comes back within that bound meets it, heals (the same step: its round is over; an earlier step: it is left
+  behind and heals at its restart) and ends on the same model. A group never met is named in one line by every
+  group that ended without it (died, or back later than the bound: that one ends on a model of its own and names
+  the others alike); nothing is left unsaid.
 
 Streamed averagings (fragments, overlap τ): each fragment's averaging is one round, begun at step s and applied at
 s + τ (τ = 0: both at s); the round's EXCHANGE starts at s (the control all-reduce, then the exchange on the worker
@@ -210,3 +228,49 @@ def join(
         sleep(0.5)
         joined = ask()
     return joined
+
+
+def end_round(
+    membership: Membership,
+    heal: HealState,
+    new_quorum: Callable[[Round], None],
+    last: Round | None,
+    num_groups: int,
+    timeout_s: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    name: str,
+) -> list[int]:
+    """END (I10): after this group's final averaging (``last``: the quorum formed right after it), form a quorum
+    every half second, so that a late group meets this one and heals to its final model, until every one of
+    ``num_groups`` was in a quorum with it on that model or ``timeout_s`` passed since the last quorum that
+    changed; the groups never met, named in
+    one line by ``name`` (this group, e.g. ``"fed_group0"``; ``""``: this rank does not log). ``clock`` must read
+    alike on every rank of the group (each rank decides when to stop)."""
+    met = set(last.on_lead) if last is not None and not last.healed else set()
+    deadline = clock() + timeout_s
+    while len(met) < num_groups and clock() < deadline:
+        sleep(0.5)
+        try:
+            formed = _quorum(membership, heal, new_quorum)
+        except RuntimeError as err:  # the lighthouse or the others are gone: nobody is left to meet
+            if name:
+                logger.warning("hf_fedshard: %s stopped waiting for late groups at the end of training: %s", name, err)
+            break
+        met = set(formed.on_lead) if formed.healed else met | set(formed.on_lead)
+        if not formed.healed and formed.changed:  # a late group healing here (or left behind, to heal at its
+            deadline = max(deadline, clock() + timeout_s)  # restart) is met at a quorum after it: wait for it
+    missing = sorted(set(range(num_groups)) - met)
+    if missing and name:
+        logger.warning(
+            "hf_fedshard: %s ended without %s, which never met it on its final model within fed_timeout_s=%g s: "
+            "each died, or is back later than that and ends on a model of its own (naming %s alike). Raise "
+            "--fed_timeout_s to wait longer for a stalled group; start the lighthouse with --min_groups %d to have "
+            "a group left alone fail instead.",
+            name,
+            ", ".join(f"fed_group{g}" for g in missing),
+            timeout_s,
+            name,
+            num_groups,
+        )
+    return missing

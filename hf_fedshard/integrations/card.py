@@ -196,7 +196,8 @@ def results_table(trainer: FedShardTrainer, tokens_per_sample: int | None) -> li
 
 def quorum_rows(history: list[dict], num_groups: int, last: dict) -> list[tuple[str, str]]:
     """fed_transport torchft: how many groups took part in the averagings, how many healed from a live peer, and
-    whether the final averaging ran without groups of the one before (they may end on other models)."""
+    whether the final averaging ran without groups of the one before (they healed at the end of training, or
+    the log's end line names them)."""
     counts = [h["fed_groups_in_quorum"] for h in history if "fed_groups_in_quorum" in h]
     rows = [
         ("Transport", "torchft (one launch per group; each averaging over the groups alive)"),
@@ -205,7 +206,7 @@ def quorum_rows(history: list[dict], num_groups: int, last: dict) -> list[tuple[
     ]
     if last.get("fed_groups_dropped"):
         final = f"{last['fed_groups_in_quorum']} groups, without {last['fed_groups_dropped']} of the averaging before"
-        rows.append(("Final averaging", f"{final} (they left or came late): the groups may hold different models"))
+        rows.append(("Final averaging", f"{final} (they left or came late: the end of training's log line says which)"))
     return rows
 
 

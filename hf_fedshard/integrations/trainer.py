@@ -163,7 +163,6 @@ class FedShardMixin(FederationMixin, CheckpointMixin, ReportingMixin, DataMixin,
         finally:
             if self.fed_federation is not None:
                 self.fed_federation.shutdown()
-        self._say_groups_apart_at_the_end()
         return output
 
     def _verified_checkpoint(self, requested: str | bool | None) -> str | None:

@@ -1,8 +1,8 @@
 """Evaluation, logs and the model card of a federated run (the Trainer's side).
 
 `ReportingMixin` evaluates the global model (and each group's own, with ``fed_eval_per_group``), logs perplexity
-beside every loss with the federation's counters, extends the model card, and says at the end which groups the
-final averaging ran without. One of the parts of `hf_fedshard.integrations.trainer.FedShardMixin`.
+beside every loss with the federation's counters and extends the model card. One of the parts of
+`hf_fedshard.integrations.trainer.FedShardMixin`.
 """
 
 from __future__ import annotations
@@ -72,17 +72,3 @@ class ReportingMixin(Trainer):
         """Add hf_fedshard's section to the README.md the base card wrote (main process only)."""
         if self.is_world_process_zero():
             extend_card(self, **self._card_kwargs)
-
-    def _say_groups_apart_at_the_end(self) -> None:
-        """torchft: name the groups that the final averaging ran without, though they averaged at the one before
-        (they left, or one side came more than fed_timeout_s after the other): the groups may end on other models."""
-        dropped = self.fed_federation.dropped_groups() if self.fed_federation is not None else []
-        if dropped and self.args.should_log:
-            logger.warning(
-                "hf_fedshard: fed_group%d's final averaging (step %d) ran without %s, which averaged with it at the "
-                "one before: they left, or one side reached it more than fed_timeout_s=%g s after the other. The "
-                "groups may end on different models. To wait longer at the end, raise --fed_timeout_s; to never end "
-                "apart, start the lighthouse with --min_groups %d (a group that dies then stops the others).",
-                self.args.fed_launch.group_id, self.state.global_step, ", ".join(f"fed_group{g}" for g in dropped),
-                self.args.fed_exchange_timeout_s, self.fed_layout.num_groups,
-            )  # fmt: skip

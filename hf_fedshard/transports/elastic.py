@@ -48,7 +48,7 @@ from hf_fedshard.engine.communicator import (
     Round,
 )
 from hf_fedshard.engine.heal import PeerParts, mended
-from hf_fedshard.engine.rounds import NOT_READY, HealState, join, next_lineage
+from hf_fedshard.engine.rounds import NOT_READY, HealState, end_round, join, next_lineage
 from hf_fedshard.errors import ConfigError
 from hf_fedshard.topology import FederationLayout
 from hf_fedshard.transports.federation import FederationRequest
@@ -288,9 +288,21 @@ class ElasticFederation:
         quorum_id = torchft_quorum_id(self.manager)
         changed = quorum_id != self._last_quorum
         self._last_quorum = quorum_id
-        if changed:
-            self.quorum.configure()
-        return Round(healed=self._healed, changed=changed)
+        # a quorum of the same launches as the last one: its heals are done (a group whose heal failed has left)
+        on_lead = self.quorum.configure() if changed else tuple(self.quorum.groups())
+        return Round(healed=self._healed, changed=changed, on_lead=on_lead if self.manager.errored() is None else ())
+
+    def end(self, new_quorum: Callable[[Round], None], last: Round | None) -> list[int]:
+        """END (`hf_fedshard.engine.rounds.end_round`), on the group's first rank's clock (its ranks stop alike)."""
+        rank = dist.get_rank(self.group)
+
+        def clock() -> float:
+            now = [time.monotonic()]
+            dist.broadcast_object_list(now, src=dist.get_global_rank(self.group, 0), group=self.group)
+            return now[0]
+
+        name = f"fed_group{self.group_id}" if rank == 0 else ""
+        return end_round(self, self.heal, new_quorum, last, self.num_groups, self.timeout_s, clock, time.sleep, name)
 
     def dropped_groups(self) -> list[int]:
         """The groups of the averaging before the last one that the last one ran without: they left, or reached it

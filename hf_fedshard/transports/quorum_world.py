@@ -149,17 +149,18 @@ class QuorumGroups:
         """The nominal ids of the quorum's groups."""
         return list(self._groups)
 
-    def configure(self) -> None:
+    def configure(self) -> tuple[int, ...]:
         """After a new quorum: learn its groups (the first ranks' table), check them, join the process group over
-        their ranks, and heal the groups behind the others (`heal`). A failure is reported to the Manager (this
-        round does not commit); two launches of one group, or settings that differ, are refused in one line."""
+        their ranks, and heal the groups behind the others (`heal`); the groups on the lead before the heal. A
+        failure is reported to the Manager (this round does not commit); two launches of one group, or settings
+        that differ, are refused in one line."""
         from torchft.process_group import reconfigure_with_store
 
         federation = self.federation
         table, store, differences = self._exchange_table()
         if table is None:
             federation.manager.report_error(RuntimeError("the quorum's table of groups was not exchanged"))
-            return
+            return ()
         order, steps, lineages = self._check(table, differences)
         self.arrange(order)
         try:  # alone in the quorum too: the control all-reduce and the HSDP replicas' pieces run over its ranks
@@ -174,6 +175,7 @@ class QuorumGroups:
         if behind:
             source = next(i for i, g in enumerate(order) if (int(steps[g]), int(lineages[g])) == target)
             self.heal(behind, source, *target)
+        return tuple(g for i, g in enumerate(order) if i not in behind)
 
     def arrange(self, order: list[int]) -> None:
         """Number the ranks of the quorum's groups (nominal ids, in quorum ``order``) group by group: each group's

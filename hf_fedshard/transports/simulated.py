@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from hf_fedshard.engine.communicator import FederationCommunicator, Round
-from hf_fedshard.engine.rounds import HealState, join, lead, next_lineage
+from hf_fedshard.engine.rounds import HealState, end_round, join, lead, next_lineage
 from hf_fedshard.errors import ConfigError
 
 
@@ -193,16 +193,23 @@ class Quorum:
 
 
 class FakeLighthouse:
-    """torchft's Lighthouse, in the scheduler's terms: it forms a quorum of the launches that asked once every
-    launch it knows has asked, or ``join_timeout_s`` after the first asked, and only of more than half of the
-    launches it knows (so two halves of a federation never average apart); a launch is known from its first request
-    until ``heartbeat_timeout_s`` after it died or stopped."""
+    """torchft's Lighthouse (`quorum_compute` in its src/lighthouse.rs), in the scheduler's terms. A quorum forms of
+    every healthy launch that asked:
 
-    def __init__(self, sim: Simulation, join_timeout_s: float, heartbeat_timeout_s: float) -> None:
+    - at once when every member of the previous quorum asked again (torchft's fast quorum: no other rule applies);
+    - else once at least ``min_groups`` asked, more than half of the healthy launches (so two halves of a federation
+      never average apart), and either every healthy launch asked or ``join_timeout_s`` passed since the first did.
+
+    A launch is healthy from its first request until ``heartbeat_timeout_s`` after it died or stopped. A launch left
+    out of a quorum asks again at once (its wait for the join timeout starts over), as torchft's server does."""
+
+    def __init__(self, sim: Simulation, join_timeout_s: float, heartbeat_timeout_s: float, min_groups: int = 1) -> None:
         self.sim, self.join_timeout_s, self.heartbeat_timeout_s = sim, join_timeout_s, heartbeat_timeout_s
+        self.min_groups = min_groups
         self.launches: list[Launch] = []
         self.asked: dict[int, tuple[Launch, tuple[int, int], float]] = {}  # launch id -> (launch, count, time)
         self.formed: dict[int, Quorum] = {}  # launch id -> the quorum it was given
+        self.previous: tuple[Launch, ...] = ()  # the members of the last quorum formed
         self.lost = False
         self._ids = itertools.count(1)
 
@@ -210,18 +217,21 @@ class FakeLighthouse:
         thread = launch.thread
         return thread is not None and not thread.killed and not thread.done and thread.stopped_until <= self.sim.now
 
+    def silent_since(self, launch: Launch) -> float | None:
+        """When ``launch``'s heartbeats stopped (it died or is stopped); ``None`` while it heartbeats."""
+        thread = launch.thread
+        if launch.died_at is not None:
+            return launch.died_at
+        if thread is not None and thread.stopped_until > self.sim.now:
+            return thread.stopped_at
+        return None
+
     def known(self, launch: Launch) -> bool:
         """Alive, or silent (dead, stopped) for less than the heartbeat timeout: torchft's healthy replicas."""
         if self.alive(launch):
             return True
-        thread = launch.thread
-        if launch.died_at is not None:
-            since = launch.died_at
-        elif thread is not None and thread.stopped_until > self.sim.now:
-            since = thread.stopped_at
-        else:
-            return False  # ended (its heartbeats stopped with it) or not started
-        return self.sim.now - since < self.heartbeat_timeout_s
+        since = self.silent_since(launch)
+        return since is not None and self.sim.now - since < self.heartbeat_timeout_s
 
     def ask(self, launch: Launch, count: tuple[int, int]) -> None:
         self.formed.pop(launch.id, None)
@@ -233,21 +243,37 @@ class FakeLighthouse:
             self._form()
         return self.formed.get(launch.id)
 
+    def next_change(self) -> float:
+        """The next fake time at which the rule may decide otherwise with nobody asking anew: a join timeout
+        running out, a silent launch's heartbeats timing out (a launch waiting for a quorum wakes then)."""
+        times = [t + self.join_timeout_s for _, _, t in self.asked.values()]
+        for launch in self.launches:
+            since = self.silent_since(launch)
+            if since is not None:
+                times.append(since + self.heartbeat_timeout_s)
+        return min((t for t in times if t > self.sim.now), default=float("inf"))
+
     def _form(self) -> None:
+        healthy = [x for x in self.launches if self.known(x)]
         asking = [(a, c, t) for a, c, t in self.asked.values() if self.known(a)]
         if not asking:
             return
-        healthy = [x for x in self.launches if self.known(x)]
-        if len(asking) <= len(healthy) // 2:
-            return  # torchft's split-brain rule: a quorum needs more than half of the healthy launches
-        everyone = all(x.id in self.asked for x in healthy)
-        if not everyone and self.sim.now - min(t for _, _, t in asking) < self.join_timeout_s:
-            return
+        ids = {a.id for a, _, _ in asking}
+        fast = bool(self.previous) and all(m.id in ids for m in self.previous)
+        if not fast:
+            if len(asking) < self.min_groups or len(asking) <= len(healthy) // 2:
+                return  # torchft's split-brain rule: more than half of the healthy launches
+            everyone = len(asking) == len(healthy)
+            if not everyone and self.sim.now - min(t for _, _, t in asking) < self.join_timeout_s:
+                return
         members = tuple(sorted((a for a, _, _ in asking), key=lambda a: (a.group, a.id)))
         quorum = Quorum(next(self._ids), members, {a.id: c for a, c, _ in asking})
         for launch in members:
             self.formed[launch.id] = quorum
             del self.asked[launch.id]
+        self.previous = members
+        for left_out, (launch, count, _) in list(self.asked.items()):  # torchft clears its participants; those
+            self.asked[left_out] = (launch, count, self.sim.now)  # still waiting join again at once
 
 
 class SimulatedFederation:
@@ -278,6 +304,7 @@ class SimulatedFederation:
         self.quorum: Quorum | None = None
         self.error: str | None = None
         self.heals = 0
+        self.ended: list[int] | None = None  # the groups END never met (`end`)
         self.commits: list[tuple[int, tuple[int, ...]]] = []  # (quorum id, member groups) of each commit
         self._ops = itertools.count()
         self._quorum_key: tuple[int, ...] = ()
@@ -371,7 +398,7 @@ class SimulatedFederation:
         self.sim.point()
         self.error = None
         self.lighthouse.ask(self.launch, (self.count, self.lineage))
-        if not self.sim.wait_until(lambda: self.lighthouse.quorum_of(self.launch) is not None, self.timeout_s):
+        if not self._wait_for_quorum():
             raise RuntimeError(
                 f"hf_fedshard: fed_group{self.launch.group} got no quorum of the federation within fed_timeout_s="
                 f"{self.timeout_s:g}"
@@ -381,18 +408,38 @@ class SimulatedFederation:
         changed, self._quorum_key, self.quorum, self._ops = key != self._quorum_key, key, quorum, itertools.count()
         self._check_claims(quorum)
         target = lead([(m.group, *quorum.counts[m.id]) for m in quorum.members])
+        groups = tuple(m.group for m in quorum.members if quorum.counts[m.id] == target)
         if quorum.counts[self.launch.id] == target:
-            return Round(healed=False, changed=changed)
+            return Round(healed=False, changed=changed, on_lead=groups)
         source = next(m for m in quorum.members if quorum.counts[m.id] == target)
         self.heal.receive(copy.deepcopy(source.federation.heal.committed()))  # a wire: the receiver gets a copy
         (self.count, self.lineage), self.heals = target, self.heals + 1
-        return Round(healed=True, changed=changed)
+        return Round(healed=True, changed=changed, on_lead=groups)
+
+    def _wait_for_quorum(self) -> bool:
+        """Wait up to the timeout for this launch's quorum, waking whenever the lighthouse's rule may decide anew
+        (torchft's lighthouse re-checks every 100 ms)."""
+        sim, lighthouse, deadline = self.sim, self.lighthouse, self.sim.now + self.timeout_s
+        while True:
+            wake = min(deadline, lighthouse.next_change())
+            if sim.wait_until(lambda: lighthouse.quorum_of(self.launch) is not None, wake - sim.now):
+                return True
+            if sim.now >= deadline:
+                return False
 
     def join(self, averagings: int) -> Round:
         """The first quorum (before training), by the protocol's rule (`hf_fedshard.engine.rounds.join`)."""
         self.count = averagings
         sim = self.sim
         return join(self.next_round, self.size, self.num_groups, self.timeout_s, lambda: sim.now, sim.sleep)
+
+    def end(self, new_quorum: Callable[[Round], None], last: Round | None) -> list[int]:
+        """END (`hf_fedshard.engine.rounds.end_round`) on the fake clock."""
+        sim, name = self.sim, f"fed_group{self.launch.group}"
+        self.ended = end_round(
+            self, self.heal, new_quorum, last, self.num_groups, self.timeout_s, lambda: sim.now, sim.sleep, name
+        )
+        return self.ended
 
     def metrics(self) -> dict[str, float]:
         return {"fed_heals": self.heals}

@@ -98,14 +98,14 @@ def test_a_group_started_again_while_its_dead_launch_is_known_joins(tmp_path):
     assert_one_model(tmp_path, 3, 1)
 
 
-def wait_until_a_worker_stops(launch: subprocess.Popen, timeout_s: float) -> None:
-    """Until a process below ``launch`` is stopped (SIGSTOP: state ``T`` in /proc)."""
+def wait_until_a_worker_stops(launch: subprocess.Popen, timeout_s: float) -> int:
+    """Until a process below ``launch`` is stopped (SIGSTOP: state ``T`` in /proc); its pid."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for pid in launched(launch):
             with contextlib.suppress(OSError):
                 if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
-                    return
+                    return pid
         time.sleep(0.2)
     raise TimeoutError("no worker of the launch stopped")
 
