@@ -91,6 +91,17 @@ def test_a_claim_slot_left_empty_by_a_killed_launch_does_not_stop_the_quorum():
     world.run().check()
 
 
+@pytest.mark.parametrize("overlap, seed", [(2, 5), (2, 42), (3, 5), (3, 24), (3, 62)])
+def test_the_join_race_at_overlap_2_and_3_ends_on_one_model(overlap, seed):
+    """The join race of issue 59 (torchft's lighthouse, Nesterov, τ ≥ 2): a group that waited in the vote while the
+    others trained τ more steps asks for a quorum a moment late, is left out by the join timeout and falls a round
+    behind. Mid-run it heals at the next quorum; in these five schedules it happens at the final averaging, where
+    the others used to exit and it ended on its own model. They now wait in their END round and it heals there."""
+    world, allowed = schedule(seed, "lighthouse", sync_overlap=overlap, outer_optimizer="nesterov")
+    world.run().check(allowed_errors=allowed)
+    assert not any(f.missing for f in world.finished), [(f.group, f.missing) for f in world.finished]
+
+
 @backends
 def test_a_group_stalled_until_the_others_ended_heals_from_their_end_round(backend):
     """Issue 59's stalled group: 3 groups, 48 steps; group 2 stops (SIGSTOP) a third into the run for 70 s, longer
