@@ -30,6 +30,7 @@ from .tiny_federation import build, train_step
 
 H, STEPS, STEP_S, CHECKPOINT_EVERY = 4, 24, 1.0, 8
 TIMEOUT_S, JOIN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S = 20.0, 3.0, 5.0
+SKIPPED_STEP_S = 0.01  # a step a speed-aware round passes over (no batch trained)
 POLL_S = 0.2  # the store membership's reading interval (fake seconds: it costs only the test's time)
 NO_QUORUM = "got no quorum of the federation"
 LEFT_BEHIND = "it was sent a peer's state of step"  # the Trainer's words, `FedShardMixin._check_peer_step`
@@ -295,26 +296,31 @@ class World:
         federation.join(0 if checkpoint is None else checkpoint["averager"]["counters"]["syncs"])
         held = heal.take()
         model, optimizer = build(group)
-        comm = federation.communicator
+        comm, sim = federation.communicator, self.sim
+        clock = lambda: sim.now  # noqa: E731 (speed-aware rounds time the steps on the fake clock)
         if held:  # healed before training: resume from the peer's committed state
             position["step"] = held["trainer"]["step"]
             averager = FederatedAverager(
-                model, optimizer, communicator=comm, average_initial_weights=False, **self.averaging
+                model, optimizer, communicator=comm, average_initial_weights=False, clock=clock, **self.averaging
             )
             averager.load_peer_state(held["averager"])
             heal.commit()  # a group that joins later may heal from this one
         elif checkpoint is not None:
             load_model_state(model, checkpoint["model"])
             averager = FederatedAverager(
-                model, optimizer, communicator=comm, average_initial_weights=False, **self.averaging
+                model, optimizer, communicator=comm, average_initial_weights=False, clock=clock, **self.averaging
             )
             averager.load_state_dict(copy.deepcopy(checkpoint["averager"]))
         else:
-            averager = FederatedAverager(model, optimizer, communicator=comm, **self.averaging)
+            averager = FederatedAverager(model, optimizer, communicator=comm, clock=clock, **self.averaging)
+        step_s = self._step_s(group)
         while position["step"] < self.steps:
-            self.sim.sleep(STEP_S)
+            averager.step_begins()
+            trains = averager.should_train  # speed-aware rounds: a slow group passes over the rest of a round
+            self.sim.sleep(step_s if trains else SKIPPED_STEP_S)
             position["step"] += 1
-            train_step(model, optimizer, group, position["step"])
+            if trains:
+                train_step(model, optimizer, group, position["step"])
             averager.step(last=position["step"] == self.steps)
             if position["step"] % CHECKPOINT_EVERY == 0:
                 self.checkpoints.setdefault(group, {})[position["step"]] = {
@@ -328,6 +334,14 @@ class World:
         self.finished.append(
             Finished(launch.id, group, tensors, averager.counters.syncs, federation.commits, self.sim.now, ended)
         )
+
+    def _step_s(self, group: int) -> float:
+        """Seconds a step of ``group`` takes: STEP_S; with speed-aware rounds, a quarter longer per group id (1,
+        1.25, 1.5, 1.75 s a step), so that the policy has slow groups to plan for. A round of the slowest (all H
+        steps, as after a heal) stays shorter than TIMEOUT_S at H = 8: a group left out of a quorum by the join
+        timeout waits a whole round for the next, and fails if that takes longer than fed_timeout_s (at 1 + g/2 s
+        a step, rounds of 20 s, 6 of 80 schedules did)."""
+        return STEP_S * (1 + 0.25 * group) if self.averaging.get("round_policy") == "speed" else STEP_S
 
     # ---- What must hold ----
 
@@ -359,7 +373,7 @@ class World:
     def _late(self, group: int, time: float) -> bool:
         """Whether ``group`` was stopped at ``time``, or until less than a round (H steps) before it: back too late
         to ask for a quorum before then (it finishes the round it was in first)."""
-        round_s = self.averaging["sync_steps"] * STEP_S
+        round_s = self.averaging["sync_steps"] * self._step_s(group)
         return any(g == group and start <= time <= until + round_s for g, start, until in self.stops)
 
 
@@ -367,7 +381,7 @@ def schedule(
     seed: int, backend: str = "lighthouse", steps: int = STEPS, long_stops: bool = False, **options: Any
 ) -> tuple[World, tuple[str, ...]]:
     """A seeded fault schedule of ``steps`` steps: one to three kills (each restarted after 0–10 s), stops (shorter
-    than the timeout; with ``long_stops`` up to four times it, past the end of the run too), rounds that do not
+    than the timeout; with ``long_stops`` up to six times it, past the others' END round too), rounds that do not
     commit (one rank votes no), or a lost lighthouse and a staggered full resume; ``options``: the averaging's
     settings. Returns the world and the errors it may raise."""
     rng = random.Random(seed)
@@ -381,7 +395,7 @@ def schedule(
         world.lose_lighthouse(at=lost)
         world.full_resume(at=lost + TIMEOUT_S + 1, delays=[rng.uniform(0, TIMEOUT_S / 2) for _ in range(groups)])
         return world, (NO_QUORUM,)
-    longest = 4 * TIMEOUT_S if long_stops else TIMEOUT_S / 2
+    longest = 6 * TIMEOUT_S if long_stops else TIMEOUT_S / 2
     for _ in range(rng.randint(1, 3)):
         at = rng.uniform(1, (steps / 2) * STEP_S)
         if kind == "kills":
