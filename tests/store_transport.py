@@ -166,12 +166,13 @@ class StoreMembership:
         target = lead([(c.group, c.count, c.lineage) for c in self.members])
         source = next(c for c in self.members if (c.count, c.lineage) == target)
         groups = tuple(c.group for c in self.members if (c.count, c.lineage) == target)
+        behind = tuple(c.group for c in self.members if (c.count, c.lineage) != target)
         if (self.count, self.lineage) == target:
             if source.group == self.group and any((c.count, c.lineage) != target for c in self.members):
                 self._send_state()
-            return Round(healed=False, changed=changed, on_lead=groups)
+            return Round(healed=False, changed=changed, on_lead=groups, behind=behind)
         self._take(source, target)
-        return Round(healed=True, changed=changed, on_lead=groups)
+        return Round(healed=True, changed=changed, on_lead=groups, behind=behind)
 
     def commit(self) -> bool:
         """COMMIT: this rank votes yes iff its collectives succeeded; the group takes the round iff every rank of

@@ -147,11 +147,12 @@ class RoundGroups(Protocol):
 class Round:
     """What `Membership.next_round` did: ``healed``: this group took a peer's state; ``changed``: the quorum is
     not the previous round's (groups left or joined); ``on_lead``: the nominal ids of the quorum's groups that held
-    its lead when it formed (those that heal there are not among them; ``()``: unknown, e.g. its table failed)."""
+    its lead when it formed (``()``: unknown, e.g. its table failed); ``behind``: those that heal there."""
 
     healed: bool = False
     changed: bool = False
     on_lead: tuple[int, ...] = ()
+    behind: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -243,8 +243,8 @@ def end_round(
 ) -> list[int]:
     """END (I10): after this group's final averaging (``last``: the quorum formed right after it), form a quorum
     every half second, so that a late group meets this one and heals to its final model, until every one of
-    ``num_groups`` was in a quorum with it on that model or ``timeout_s`` passed since the last quorum that
-    changed; the groups never met, named in
+    ``num_groups`` was in a quorum with it on that model or ``timeout_s`` passed since the last quorum where a
+    group healed; the groups never met, named in
     one line by ``name`` (this group, e.g. ``"fed_group0"``; ``""``: this rank does not log). ``clock`` must read
     alike on every rank of the group (each rank decides when to stop)."""
     met = set(last.on_lead) if last is not None and not last.healed else set()
@@ -258,8 +258,8 @@ def end_round(
                 logger.warning("hf_fedshard: %s stopped waiting for late groups at the end of training: %s", name, err)
             break
         met = set(formed.on_lead) if formed.healed else met | set(formed.on_lead)
-        if not formed.healed and formed.changed:  # a late group healing here (or left behind, to heal at its
-            deadline = max(deadline, clock() + timeout_s)  # restart) is met at a quorum after it: wait for it
+        if formed.behind and not formed.healed:  # a late group heals here (or is left behind, to heal at its
+            deadline = max(deadline, clock() + timeout_s)  # restart): it is met at a later quorum; wait for it
     missing = sorted(set(range(num_groups)) - met)
     if missing and name:
         logger.warning(

@@ -290,7 +290,10 @@ class ElasticFederation:
         self._last_quorum = quorum_id
         # a quorum of the same launches as the last one: its heals are done (a group whose heal failed has left)
         on_lead = self.quorum.configure() if changed else tuple(self.quorum.groups())
-        return Round(healed=self._healed, changed=changed, on_lead=on_lead if self.manager.errored() is None else ())
+        behind = tuple(g for g in self.quorum.groups() if g not in on_lead)
+        if self.manager.errored() is not None:
+            return Round(healed=self._healed, changed=changed)
+        return Round(healed=self._healed, changed=changed, on_lead=on_lead, behind=behind)
 
     def end(self, new_quorum: Callable[[Round], None], last: Round | None) -> list[int]:
         """END (`hf_fedshard.engine.rounds.end_round`), on the group's first rank's clock (its ranks stop alike)."""

@@ -409,12 +409,13 @@ class SimulatedFederation:
         self._check_claims(quorum)
         target = lead([(m.group, *quorum.counts[m.id]) for m in quorum.members])
         groups = tuple(m.group for m in quorum.members if quorum.counts[m.id] == target)
+        behind = tuple(m.group for m in quorum.members if quorum.counts[m.id] != target)
         if quorum.counts[self.launch.id] == target:
-            return Round(healed=False, changed=changed, on_lead=groups)
+            return Round(healed=False, changed=changed, on_lead=groups, behind=behind)
         source = next(m for m in quorum.members if quorum.counts[m.id] == target)
         self.heal.receive(copy.deepcopy(source.federation.heal.committed()))  # a wire: the receiver gets a copy
         (self.count, self.lineage), self.heals = target, self.heals + 1
-        return Round(healed=True, changed=changed, on_lead=groups)
+        return Round(healed=True, changed=changed, on_lead=groups, behind=behind)
 
     def _wait_for_quorum(self) -> bool:
         """Wait up to the timeout for this launch's quorum, waking whenever the lighthouse's rule may decide anew
