@@ -181,7 +181,10 @@ class StoreMembership:
         try:  # a vote stays in the store: a peer may read it after this rank moved on
             self.store.set(f"{key}/{self.group}.{self.position}", b"1" if self.error is None else b"0")
             keys = [f"{key}/{c.group}.{p}" for c in self.members for p in range(self.positions)]
-            seen = self._wait(keys, self._member_gone) and all(self.store.get(k) == b"1" for k in keys)
+            no_yet = lambda: any(self.store.check([k]) and self.store.get(k) == b"0" for k in keys)  # noqa: E731
+            seen = self._wait(keys, lambda: self._member_gone() or no_yet()) and all(
+                self.store.get(k) == b"1" for k in keys
+            )  # a no already posted ends the wait: the round cannot commit (a stalled member need not be awaited)
         except dist.DistError:
             seen = False
         if self._any_rank(not seen):
