@@ -244,9 +244,9 @@ def end_round(
     """END (I10): after this group's final averaging (``last``: the quorum formed right after it), form a quorum
     every half second, so that a late group meets this one and heals to its final model, until every one of
     ``num_groups`` was in a quorum with it on that model or ``timeout_s`` passed since the last quorum where a
-    group healed; the groups never met, named in
-    one line by ``name`` (this group, e.g. ``"fed_group0"``; ``""``: this rank does not log). ``clock`` must read
-    alike on every rank of the group (each rank decides when to stop)."""
+    group healed; the groups never met, named in one line by ``name`` (this group, e.g. ``"fed_group0"``; ``""``:
+    this rank does not log). ``clock`` must read alike on every rank of the group (each rank decides when to
+    stop)."""
     met = set(last.on_lead) if last is not None and not last.healed else set()
     deadline = clock() + timeout_s
     while len(met) < num_groups and clock() < deadline:
