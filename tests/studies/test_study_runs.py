@@ -149,16 +149,18 @@ def test_time_to_quality_study_runs_on_a_tiny_cluster(tmp_path, data_cache):
 @pytest.mark.timeout(600)
 @NETNS
 def test_speed_rounds_study_slows_one_group_and_compares_both_policies(tmp_path, data_cache):
-    """The study's quick mode as users run it, shorter (a 4 s budget, cap 2.5 × B): the all-fast run, then the slow
-    group 2× slower under ``steps`` and ``speed``, each group's launch in a cgroup with its quota; every rank of a run
-    stops at one step, the slow group is slower for real, passes over steps under ``speed`` only, and every
-    namespace and cgroup is removed.
+    """The study's quick mode as users run it, shorter (a 4 s budget, H = 4, cap 6 × B): the all-fast run, then the
+    slow group 2× slower under ``steps`` and ``speed``, each group's launch in a cgroup with its quota; every rank of
+    a run stops at one step, the slow group is slower for real, passes over steps under ``speed`` only, and every
+    namespace and cgroup is removed. H = 4 and the cap leave room for a second round even where the quota slows the
+    group far more than 2× (10-30× on this machine one evening, at H = 8 and cap 2.5 × B the runs stopped inside
+    the first round, before a speed plan exists).
 
     About 50 s here: three real runs on the 4-node cluster, 4 + 10 + 10 s of training clock, each run's set-up and
     final evaluation; the launches fork from the session's launch server (about 20 s of imports each before)."""
     out = tmp_path / "out"
-    args = ["--quick", "--budget-s", 4, "--max-train-lines", 3000, "--out", out, "--work", tmp_path / "work",
-            "--data-cache", data_cache]  # fmt: skip
+    args = ["--quick", "--budget-s", 4, "--sync-steps", 4, "--cap-factor", 6, "--max-train-lines", 3000, "--out",
+            out, "--work", tmp_path / "work", "--data-cache", data_cache]  # fmt: skip
     proc, out_text = run_study("speed_rounds", args, timeout_s=540)
     assert proc.returncode == 0, out_text[-6000:]
     assert not [name for name in list_namespaces() if name.startswith(f"fsb{proc.pid}")]
