@@ -429,9 +429,6 @@ class StoreFederation:
             )
         return joined
 
-    def dropped_groups(self) -> list[int]:
-        return []  # said in the logs instead: fed_groups_in_quorum
-
     def shutdown(self) -> None:
         """This launch's posts stay until the store's host ends (the others may still read its last vote)."""
 

@@ -50,7 +50,7 @@ Invariants (asserted where they can fail cheaply):
   simulator with stalls of many lengths at every point of a run (tests/unit/test_round_simulator.py).
 - I10 the end of training is a round: a group that applied its final averaging does not exit at once (END): it
   forms quorums every half second, serving its committed final model, until every nominal group has been in a
-  quorum with it on that model (on the lead, or healed to it there), or ``fed_timeout_s`` passed (``end``). A group
+  quorum with it on that model (on the lead, or healed to it there), or ``fed_timeout_s`` passed (`end_round`). A group
   that comes back within that bound meets it, heals (the same step: its round is over; an earlier step: it is left
   behind and heals at its restart) and ends on the same model. A group never met is named in one line by every
   group that ended without it (died, or back later than the bound: that one ends on a model of its own and names

@@ -309,8 +309,8 @@ class ElasticFederation:
 
     def dropped_groups(self) -> list[int]:
         """The groups of the averaging before the last one that the last one ran without: they left, or reached it
-        more than ``fed_timeout_s`` after this group (or it after them). After the final averaging of a run, they
-        end on other models than this group's."""
+        more than ``fed_timeout_s`` after this group (or it after them); logged as ``fed_groups_dropped``. After the
+        final averaging, END (`hf_fedshard.engine.rounds.end_round`) waits for them and names those it never met."""
         return sorted(set(self.averaged[0]) - set(self.averaged[1])) if len(self.averaged) == 2 else []
 
     def metrics(self) -> dict[str, float]:

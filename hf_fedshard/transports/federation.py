@@ -63,8 +63,5 @@ class Federation(Protocol):
         """Meet the other groups before training, this launch having committed ``averagings`` (a checkpoint's
         count; 0 afresh). A launch behind the others heals there: its parts land in the request's ``heal``."""
 
-    def dropped_groups(self) -> list[int]:
-        """The groups the last averaging ran without, though they averaged at the one before (said at the end)."""
-
     def shutdown(self) -> None:
         """Leave the federation (at the end of training, or on an error); the others go on."""

@@ -34,9 +34,6 @@ class OneJobFederation:
     def join(self, averagings: int) -> None:
         """Nothing to meet: every group starts with this job."""
 
-    def dropped_groups(self) -> list[int]:
-        return []
-
     def shutdown(self) -> None:
         """Nothing to leave: the job's process groups end with it (`destroy_gloo_groups_at_exit`)."""
 
