@@ -213,6 +213,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = new_parser(__doc__)
     p.add_argument("--max-steps", type=int, default=DemoConfig.max_steps, help="Steps of every group.")
     p.add_argument("--restart-after-s", type=float, default=DemoConfig.restart_after_s, help="Seconds down.")
+    p.add_argument("--ranks-per-group", type=int, default=DemoConfig.ranks_per_group, help="CPU ranks of a group.")
     p.add_argument("--work", type=Path, help="Keep the logs here (default: a temporary folder).")
     p.add_argument("--data-cache", type=Path, default=DATA_CACHE, help="Where the tokenized text is kept.")
     return p
@@ -220,7 +221,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    cfg = DemoConfig(max_steps=args.max_steps, restart_after_s=args.restart_after_s)
+    cfg = DemoConfig(
+        max_steps=args.max_steps, restart_after_s=args.restart_after_s, ranks_per_group=args.ranks_per_group
+    )
     with tempfile.TemporaryDirectory(prefix="fedshard-elastic-demo-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 from transformers import TrainingArguments
 
-from .launch import train_tiny
+from .launch import SERVER_STARTS_S, train_tiny
 
 
 @pytest.fixture
@@ -56,6 +56,7 @@ def ddp_4_ranks(tmp_path_factory):
 _seconds_by_folder: dict[str, float] = {}
 _seconds_by_test: dict[str, float] = {}
 _started: list[float] = []
+_server_starts_counted = [0]  # SERVER_STARTS_S already charged
 SUITE_BUDGET_S = 1080  # .ci/run's 20 minutes on a clean clone, less about 2 minutes of install and lint
 LONG_TEST_S = 60  # a test over this says in its docstring why it needs the time
 STUDY_SMOKE_S = 20  # a study's smoke test (tests/studies) runs every stage at its smallest size, in seconds
@@ -65,11 +66,24 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _started.append(time.monotonic())
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Say in the report how long this phase spent starting the launch server (it travels to xdist's controller)."""
+    report = yield
+    report.user_properties.append(("launch_server_s", sum(SERVER_STARTS_S[_server_starts_counted[0] :])))
+    _server_starts_counted[0] = len(SERVER_STARTS_S)
+    return report
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Add each test's setup, call and teardown time to its folder (a session fixture counts where it is built)."""
+    """Add each test's setup, call and teardown time to its folder (a session fixture counts where it is built), less
+    the start of the launch server it may have been the first to need (once per pytest worker, about 10 s of imports:
+    counted apart, as "launch server")."""
     folder = report.nodeid.split("/")[1] if report.nodeid.startswith("tests/") else "other"
-    _seconds_by_folder[folder] = _seconds_by_folder.get(folder, 0.0) + report.duration
-    _seconds_by_test[report.nodeid] = _seconds_by_test.get(report.nodeid, 0.0) + report.duration
+    server_s = dict(report.user_properties).get("launch_server_s", 0.0)
+    _seconds_by_folder["launch server"] = _seconds_by_folder.get("launch server", 0.0) + server_s
+    _seconds_by_folder[folder] = _seconds_by_folder.get(folder, 0.0) + report.duration - server_s
+    _seconds_by_test[report.nodeid] = _seconds_by_test.get(report.nodeid, 0.0) + report.duration - server_s
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

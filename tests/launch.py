@@ -106,12 +106,14 @@ def study_launch_env() -> dict[str, str]:
 
 
 _SERVER: dict = {}  # the session's launch server: "proc", "socket", "pids" (the clients' launcher pids)
+SERVER_STARTS_S: list[float] = []  # how long each start of it took: the suite's report charges it to no test
 
 
 def _launch_server() -> tuple[str, str]:
     """The socket of this session's ``tests/preloaded_torchrun.py --serve`` (started at the first launch, once: the
     libraries are imported once per session), and the folder where each client records its launcher's pid."""
     if "proc" not in _SERVER or _SERVER["proc"].poll() is not None:
+        started = time.monotonic()
         folder = tempfile.mkdtemp(prefix="hf_fedshard-launch-")
         socket_path, pids = os.path.join(folder, "server.sock"), os.path.join(folder, "pids")
         os.mkdir(pids)
@@ -122,6 +124,7 @@ def _launch_server() -> tuple[str, str]:
             raise RuntimeError("tests/preloaded_torchrun.py --serve did not start; its error is above")
         atexit.register(_stop_server, proc, folder)
         _SERVER.update(proc=proc, socket=socket_path, pids=pids)
+        SERVER_STARTS_S.append(time.monotonic() - started)
     return _SERVER["socket"], _SERVER["pids"]
 
 
