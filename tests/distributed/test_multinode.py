@@ -30,6 +30,7 @@ from benchmarks.harness import LAUNCHER_ENV
 from benchmarks.harness.netns import Cluster
 from benchmarks.harness.process_tree import stop_all
 
+from .. import real_slurm
 from ..launch import REPO, finish, launch_env, start, start_torchrun, study_launch_env
 from .test_recipes import CONFIGS, OFFLINE
 
@@ -173,3 +174,18 @@ def test_two_emulated_nodes_train_as_one_host_does_with_accelerate_and_torchrun(
         assert proc.returncode == 0, (key, logs[key])
     for name, (layout, _) in launches.items():
         _assert_same_bits(load_file(tmp_path / name / "model.safetensors"), one_host[layout])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.environ.get("CI") == "true", reason="a slow check kept out of CI's budget: run it with "
+                    "`sudo python -m tests.real_slurm`, or this test without CI=true")  # fmt: skip
+@pytest.mark.skipif(real_slurm.missing() is not None, reason=str(real_slurm.missing()))
+def test_a_real_slurm_runs_both_batch_scripts_as_one_host_does(tmp_path, one_host):
+    """`tests/real_slurm.py`: slurmctld and a slurmd per emulated node, ``sbatch --wait`` of both scripts of
+    `recipes/slurm/` (2 nodes × 2 CPU ranks; the torchft one 1 rank a group): the first saves the one-host model to
+    the bit, the torchft job's groups end on one model. About 2 minutes; not in CI (slurm-wlm is not installed
+    there, and its time is CI's)."""
+    outputs = real_slurm.run_both(tmp_path)
+    _assert_same_bits(load_file(outputs["pretrain"] / "model.safetensors"), one_host["FL+FSDP"])
+    _assert_same_bits(*(load_file(outputs["torchft"] / f"fed_group{g}" / "model.safetensors") for g in range(2)))
