@@ -4,7 +4,8 @@ This project's tests run on CPU; the lines that only run on a GPU (docs/cluster.
 checked here, each by running the same computation on the GPU and on the CPU and comparing:
 
 1. FSDP2 with bf16 mixed precision (``MixedPrecisionPolicy``, the GPU configs' ``mixed_precision: bf16``): a micro
-   Llama, 4 AdamW steps on fixed batches, each step's loss within 2% of the CPU's (bf16 kernels differ by device);
+   Llama, 6 AdamW steps on one fixed batch, each step's loss within 5% of the CPU's (bf16 kernels round differently
+   by device) and falling by at least 5% on both (the steps train: a broken backward or optimizer step would not);
 2. the overlapped exchange (``fed_sync_overlap 1``): 3 groups as threads over in-process communicators
    (tests/fake_communicator.py), the exchange on its worker's own CUDA stream after an event on the main stream
    (`engine/overlap.py`), `torch.cuda.synchronize` before the averaging's timer (`engine/averager.py`), the outer
@@ -14,7 +15,8 @@ checked here, each by running the same computation on the GPU and on the CPU and
 4. a background checkpoint's pinned host copies (`checkpointing/background.py`): the state written from the GPU
    reads back bit-equal to its CPU copy.
 
-``--device cpu`` runs every check with the CPU on both sides (what `tests/unit/test_gpu_check.py` runs: the script
+Its 4 minutes are an estimate: it has not run on a GPU yet. ``--device cpu`` runs every check with the CPU on both
+sides (what `tests/unit/test_gpu_check.py` runs: the script
 itself works). Prints one line per check and exits 1 if any failed. Not covered here (they need several processes):
 NCCL's first all-reduce in `transports/mesh.py` and torchft's `ProcessGroupNCCL` in `transports/elastic.py`.
 """
@@ -45,7 +47,7 @@ STEPS = 12
 
 
 def fsdp2_bf16(device: torch.device) -> list[float]:
-    """Losses of 4 AdamW steps of a micro Llama under FSDP2 with bf16 parameters and fp32 gradient reduction."""
+    """Losses of 6 AdamW steps on one batch of a micro Llama under FSDP2, bf16 parameters, fp32 gradient reduction."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import LlamaForCausalLM
 
@@ -56,11 +58,10 @@ def fsdp2_bf16(device: torch.device) -> list[float]:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = torch.randint(0, 256, (4, 2, 64), generator=torch.Generator().manual_seed(1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1)).to(device)
     losses = []
-    for batch in batches:
-        ids = batch.to(device)
+    for _ in range(6):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
@@ -117,7 +118,8 @@ def checks(device: torch.device) -> list[tuple[str, Callable[[], str | None]]]:
     def fsdp() -> str | None:
         here, there = fsdp2_bf16(device), fsdp2_bf16(cpu)
         off = max(abs(a - b) / abs(b) for a, b in zip(here, there, strict=True))
-        return None if off <= 0.02 else f"losses {here} vs CPU {there} (off by {off:.1%})"
+        falls = all(run[-1] <= 0.95 * run[0] for run in (here, there))
+        return None if off <= 0.05 and falls else f"losses {here} vs CPU {there} (off by {off:.1%})"
 
     def exchanged(**options) -> Callable[[], str | None]:
         def check() -> str | None:
@@ -154,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name, check in checks(device):
             start = time.monotonic()
-            problem = check()
+            try:
+                problem = check()
+            except Exception as err:  # a one-shot run on a lent GPU: report it and go on to the next check
+                problem = f"raised {type(err).__name__}: {err}"
             failed += problem is not None
             print(f"{'FAIL' if problem else 'ok  '} {name} on {device} vs cpu ({time.monotonic() - start:.1f} s)"
                   + (f": {problem}" if problem else ""), flush=True)  # fmt: skip

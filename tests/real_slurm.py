@@ -5,7 +5,7 @@
 
 ``slurmctld`` and one ``slurmd`` per node, each in a network namespace of its own (`benchmarks.harness.netns.Cluster`,
 links unshaped: node 0 is the controller, nodes 1 and 2 the compute nodes) with its host name, as
-``../shared/FACTS.md`` describes: ``nsenter`` into the namespace (not ``ip netns exec``, whose fresh ``/sys`` slurmd
+slurm-wlm 22.05 needs on one machine: ``nsenter`` into the namespace (not ``ip netns exec``, whose fresh ``/sys`` slurmd
 refuses), ``unshare --uts`` for the host name, the names in ``/etc/hosts`` for the nodes to resolve each other
 (removed at exit with the daemons and the namespaces). Then ``sbatch --wait`` of ``recipes/slurm/pretrain.sbatch``
 (FL+FSDP, a group per node) and ``recipes/slurm/pretrain_torchft.sbatch`` (a lighthouse and a job step per group),
@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -30,12 +31,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.harness.netns import Cluster
-from benchmarks.harness.process_tree import stop_all
+from benchmarks.harness import process_tree
+from benchmarks.harness.netns import Cluster, handle_termination
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = Path("/etc/hosts")
-DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch")
+PROGRAMS = ("slurmctld", "slurmd", "munged", "sbatch", "scancel")
+GPUS_PER_NODE = 2  # each node's "GPUs" (a generic resource without devices), as the scripts' #SBATCH lines ask
 TRAIN = ["--model_size", "micro", "--block_size", "64", "--per_device_train_batch_size", "2", "--max_steps", "4",
          "--max_eval_samples", "8", "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none",
          "--disable_tqdm", "true"]  # fmt: skip
@@ -46,15 +48,16 @@ def missing() -> str | None:
     """Why a real SLURM cannot run here (``None``: it can)."""
     if os.geteuid() != 0:
         return "a real SLURM on emulated nodes needs root"
-    absent = [name for name in DAEMONS if shutil.which(name) is None]
+    absent = [name for name in PROGRAMS if shutil.which(name) is None]
     return f"not installed: {', '.join(absent)} (apt-get install -y slurm-wlm munge)" if absent else None
 
 
 def slurm_conf(folder: Path, cluster: Cluster, compute: list[int]) -> str:
     """slurm.conf for a controller on node 0 and the ``compute`` nodes, every file under ``folder``."""
-    nodes = "\n".join(f"NodeName={cluster.namespace(n)} NodeAddr={cluster.address(n)} CPUs=2 RealMemory=4000"
-                      for n in compute)  # fmt: skip
+    nodes = "\n".join(f"NodeName={cluster.namespace(n)} NodeAddr={cluster.address(n)} CPUs=2 RealMemory=4000 "
+                      f"Gres=gpu:{GPUS_PER_NODE}" for n in compute)  # fmt: skip
     return f"""ClusterName=fedshard
+GresTypes=gpu
 SlurmctldHost={cluster.namespace(0)}({cluster.address(0)})
 SlurmUser=root
 AuthType=auth/munge
@@ -102,7 +105,7 @@ def start_munge() -> subprocess.Popen | None:
         os.makedirs(folder, exist_ok=True)
         shutil.chown(folder, "munge", "munge")
     command = ["runuser", "-u", "munge", "--", "munged", "--force", "--foreground"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = process_tree.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(50):
         if munge_running():
             return proc
@@ -116,9 +119,13 @@ def real_slurm(folder: Path, nodes: int = 2) -> Iterator[dict[str, str]]:
     compute = list(range(1, nodes + 1))
     with Cluster(nodes + 1, rate_mbit=None) as cluster:
         names = {cluster.namespace(n): cluster.address(n) for n in range(nodes + 1)}
+        folder.mkdir(parents=True, exist_ok=True)
         conf = folder / "slurm.conf"
         conf.write_text(slurm_conf(folder, cluster, compute))
         (folder / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
+        for index in range(GPUS_PER_NODE):  # slurmd counts GPUs by their device files: null devices stand in
+            os.mknod(folder / f"gpu{index}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        (folder / "gres.conf").write_text(f"Name=gpu File={folder}/gpu[0-{GPUS_PER_NODE - 1}]\n")
         for sub in ("state", "spool"):
             (folder / sub).mkdir(exist_ok=True)
         env = {**os.environ, "SLURM_CONF": str(conf)}
@@ -131,15 +138,15 @@ def real_slurm(folder: Path, nodes: int = 2) -> Iterator[dict[str, str]]:
                     command = ["nsenter", f"--net=/run/netns/{cluster.namespace(n)}", "unshare", "--uts", "sh", "-c",
                                f"hostname {cluster.namespace(n)}; exec {daemon}"]  # fmt: skip
                     with open(folder / f"daemon{n}.out", "w") as out:  # their own logs are beside it
-                        procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                      start_new_session=True))  # fmt: skip
+                        procs.append(process_tree.popen(command, env=env, stdout=out, stderr=subprocess.STDOUT))
                 client = {**env, "HF_FEDSHARD_SLURM_NETNS": cluster.namespace(0)}
-                wait_until_idle(client, nodes, folder)
-                yield client
-        finally:
-            stop_all(procs, 5.0)
-            if munge is not None:
-                stop_all([munge], 5.0)
+                try:
+                    wait_until_idle(client, nodes, folder)
+                    yield client
+                finally:  # a job still running (a timeout, an interrupt) ends with the daemons' process trees
+                    subprocess.run(in_controller_net(client, "scancel", "--user", "root"), env=client, timeout=30)
+        finally:  # each daemon's keeper stops all below it: slurmstepd and the job's processes included
+            process_tree.stop_all([*procs, *([munge] if munge is not None else [])], 5.0)
 
 
 def in_controller_net(env: dict[str, str], *command: str) -> list[str]:
@@ -165,7 +172,8 @@ def sbatch(env: dict[str, str], script: Path, out: Path, variables: dict[str, st
     """``sbatch --wait --nodes 2 script`` from the repository, the job's variables exported; its output."""
     log = out / "job.log"
     out.mkdir(parents=True, exist_ok=True)
-    command = in_controller_net(env, "sbatch", "--wait", "--nodes", "2", "--output", str(log), str(script))
+    command = in_controller_net(env, "sbatch", "--wait", "--nodes", "2", "--gpus-per-node", str(GPUS_PER_NODE),
+                                "--output", str(log), str(script))  # fmt: skip
     job_env = {**env, "PATH": os.environ["PATH"], "GLOO_SOCKET_IFNAME": "uplink", "OMP_NUM_THREADS": "1",
                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO), **variables}  # fmt: skip
     done = subprocess.run(command, cwd=REPO, env=job_env, capture_output=True, text=True, timeout=timeout_s)
@@ -202,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {why}")
         return 2
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="hf_fedshard-slurm-") as tmp:
+    with handle_termination(), tempfile.TemporaryDirectory(prefix="hf_fedshard-slurm-") as tmp:
         outputs = run_both(Path(tmp))
         models = [outputs["torchft"] / f"fed_group{g}" / "model.safetensors" for g in range(2)]
         one_model = same_bits(*models)

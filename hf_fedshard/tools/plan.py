@@ -45,6 +45,7 @@ PAYLOAD_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK
 # Named clusters: every field a flag can override. ``paper`` is the README's projection of the paper's setting
 # (Llama 3.1 8B on 512 A100 = 128 nodes × 4 of Leonardo's Booster, cells of 8 nodes assumed, FedAvg in bf16 as the
 # authors averaged, MFU 0.4); ``leonardo`` is the machine alone, for a job of your own size and model.
+# A node's uplink is the pair bandwidth (200 Gb/s), not its 400 Gb/s of ports: each ring hop is one pair of nodes.
 LEONARDO = {"gpus_per_node": 4, "node_gbit": LEONARDO_PAIR_GBIT, "intra_gbyte": LEONARDO_NVLINK_BYTES_S / 1e9,
             "rack_nodes": LEONARDO_CELL_NODES, "rack_gbit": LEONARDO_CELL_NODES * LEONARDO_PAIR_GBIT,
             "peak_tflops": 312.0}  # fmt: skip
@@ -67,10 +68,14 @@ REQUIRED = ("nodes", "gpus_per_node", "node_gbit", "intra_gbyte", "peak_tflops")
 def model_cost(model: str | None, config: Path | None, payload: str) -> tuple[ModelCost, str]:
     """The model's bytes per step (a preset of ``--model_size``, or a Hub ``config.json``) and its name."""
     if config is not None:
-        c = json.loads(config.read_text())
-        dims = dict(hidden=c["hidden_size"], intermediate=c["intermediate_size"], layers=c["num_hidden_layers"],
-                    heads=c["num_attention_heads"], kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
-                    vocab=c["vocab_size"], tied=c.get("tie_word_embeddings", False))  # fmt: skip
+        try:
+            c = json.loads(config.read_text())
+            dims = dict(hidden=c["hidden_size"], intermediate=c["intermediate_size"], layers=c["num_hidden_layers"],
+                        heads=c["num_attention_heads"], kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+                        vocab=c["vocab_size"], tied=c.get("tie_word_embeddings", False))  # fmt: skip
+        except (OSError, ValueError, KeyError) as err:
+            raise SystemExit(f"error: --config={config} is not a Llama-shaped config.json ({type(err).__name__}: "
+                             f"{err}); give a decoder's config.json or --model with a preset.") from None  # fmt: skip
         name = str(config)
     else:
         if model not in MODEL_SIZES:
@@ -88,21 +93,42 @@ def model_cost(model: str | None, config: Path | None, payload: str) -> tuple[Mo
     return cost, name
 
 
+def check_values(values: dict) -> None:
+    """Refuse what the cost model cannot take, naming the flag (before any arithmetic fails on it)."""
+    positive = ("nodes", "gpus_per_node", "node_gbit", "intra_gbyte", "peak_tflops", "tokens_per_gpu", "mfu",
+                "rack_nodes", "rack_gbit", "fl_fsdp_nodes", "fl_hsdp_nodes")  # fmt: skip
+    for name in positive:
+        if name in values and values[name] is not None and not values[name] > 0:
+            raise SystemExit(f"error: --{name.replace('_', '-')}={values[name]} must be positive.")
+    if values["nodes"] < 2:
+        raise SystemExit(f"error: --nodes={values['nodes']}: a federation needs 2 or more nodes.")
+    if min(values["sync_steps"]) < 1:
+        raise SystemExit(f"error: --sync-steps {values['sync_steps']}: every H must be at least 1.")
+    rack = values.get("rack_nodes")
+    if (rack is None) != (values.get("rack_gbit") is None):
+        raise SystemExit("error: a third tier needs both --rack-nodes (nodes per rack) and --rack-gbit (its uplink).")
+    if rack is not None and values["nodes"] % rack:
+        raise SystemExit(f"error: --rack-nodes={rack} must divide --nodes={values['nodes']}.")
+
+
 def setting_from(args: argparse.Namespace) -> tuple[Setting, str, list[int]]:
     """The cost model's `Setting` for the flags (a preset's values where a flag is not given), the model's name and
     the values of H."""
-    values = {**DEFAULTS, **CLUSTERS.get(args.preset, {}), **{k: v for k, v in vars(args).items() if v is not None}}
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    values = {**DEFAULTS, **CLUSTERS.get(args.preset, {}), **given}
     missing = [f"--{name.replace('_', '-')}" for name in REQUIRED if values.get(name) is None]
     if missing:
         raise SystemExit(f"error: give {', '.join(missing)} (or --preset {' / '.join(CLUSTERS)}).")
+    check_values(values)
     nodes, gpn, rack = values["nodes"], values["gpus_per_node"], values.get("rack_nodes")
-    if rack is not None and (nodes % rack or values.get("rack_gbit") is None):
-        raise SystemExit(f"error: --rack-nodes={rack} must divide --nodes={nodes}, with --rack-gbit (a rack's uplink).")
-    hsdp_nodes = values.get("fl_hsdp_nodes") or rack or 2
-    fsdp_nodes = values.get("fl_fsdp_nodes") or 1
-    for flag, group in (("--fl-fsdp-nodes", fsdp_nodes), ("--fl-hsdp-nodes", hsdp_nodes)):
+    fsdp_nodes = values.get("fl_fsdp_nodes", 1)
+    hsdp_nodes = values.get("fl_hsdp_nodes", rack or 2)
+    for flag, group, default in (("--fl-fsdp-nodes", fsdp_nodes, "1"), ("--fl-hsdp-nodes", hsdp_nodes,
+                                                                          "--rack-nodes, or 2")):  # fmt: skip
         if nodes % group or group == nodes:
-            raise SystemExit(f"error: {flag}={group} must divide --nodes={nodes} into 2 or more groups.")
+            given = "" if flag.replace("-", "_")[2:] in values else f" (its default: {default})"
+            raise SystemExit(f"error: {flag}={group}{given} must divide --nodes={nodes} into 2 or more groups: give "
+                             f"{flag} with a divisor of --nodes below it.")  # fmt: skip
     model, name = model_cost(values["model"], values.get("config"), values["payload"])
     network = Network(
         inter_node_bytes_s=values["node_gbit"] * 1e9 / 8,
@@ -139,9 +165,12 @@ def plan(setting: Setting, model_name: str, sync_steps: list[int], payload: str)
         f"groups); FL+HSDP {setting.fl_hsdp_group // gpn} nodes = {setting.fl_hsdp_group // gpn} replicas × {gpn} "
         f"shards ({fl_hsdp_groups} groups).",
         "",
+        "Step time with communication after compute (serial) and hidden behind it at best (overlapped: FSDP2's",
+        "prefetching, not --fed_sync_overlap), and the speed-up over FSDP of each:",
+        "",
         "   H  method    step s (serial)  step s (overlapped)  vs FSDP (serial)  vs FSDP (overlapped)",
     ]
-    best = None
+    speedup: dict[tuple[str, int], float] = {}
     for h in sync_steps:
         costs = replace(setting, sync_steps=h).costs()
         serial, overlapped = speedups(costs), speedups(costs, overlapped=True)
@@ -151,11 +180,21 @@ def plan(setting: Setting, model_name: str, sync_steps: list[int], payload: str)
             shown = f"{h:>4}" if name.startswith("FL") else "   -"
             lines.append(f"{shown}  {name:<9} {cost.serial_s:15.3f}  {cost.overlapped_s:19.3f}  {serial[name]:15.2f}×"
                          f"  {overlapped[name]:19.2f}×")  # fmt: skip
-            if name.startswith("FL") and (best is None or serial[name] > best[2]):
-                best = (name, h, serial[name])
-    lines += ["", f"Fastest in this model: {best[0]} at H = {best[1]}, {best[2]:.2f}× FSDP (serial). A larger H "
-              "sends less but lets the groups drift further apart: docs/cluster.md says how to choose it."]  # fmt: skip
+            if name.startswith("FL"):
+                speedup[(name, h)] = serial[name]
+    lines += ["", *choice(speedup)]
     return "\n".join(lines)
+
+
+def choice(speedup: dict[tuple[str, int], float]) -> list[str]:
+    """The faster federated method, at the smallest H within 5% of its best speed-up: a larger H saves little more
+    and lets the groups drift further apart."""
+    method = max(("FL+FSDP", "FL+HSDP"), key=lambda m: max(v for (n, _), v in speedup.items() if n == m))
+    best = max(v for (n, _), v in speedup.items() if n == method)
+    h = min(h for (n, h), v in speedup.items() if n == method and v >= 0.95 * best)
+    return [f"In this model: {method}, at H = {h} ({speedup[(method, h)]:.2f}× FSDP, serial), the smallest H within 5% "
+            f"of its best here ({best:.2f}×); a larger H sends less but lets the groups drift further apart "
+            "(docs/cluster.md, H)."]  # fmt: skip
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -78,8 +78,8 @@ def one_host(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
     layouts = {"FL+FSDP": FED, "FL+HSDP": FL_HSDP}
     procs = {name: start_torchrun(4, RECIPE, [*fed, *TRAIN, "--output_dir", folder / name])
              for name, fed in layouts.items()}  # fmt: skip
-    for name, proc in procs.items():
-        result = finish(proc, 300)
+    results = {name: finish(proc, 300) for name, proc in procs.items()}  # each waited for (or killed) before asserting
+    for name, result in results.items():
         assert result.returncode == 0, (name, result.stdout[-3000:])
     return {name: load_file(folder / name / "model.safetensors") for name in layouts}
 
@@ -125,7 +125,7 @@ def _two_node_launches(host: str, out: Path) -> dict[str, tuple[list[str], Calla
     """The README's multi-node lines, scaled to 2 nodes × 2 CPU ranks: each launch's layout and its command on a node.
     torchrun is forked from the session's launch server where the suite has one (its flags are torchrun's)."""
     torchrun = shlex.split(study_launch_env().get(LAUNCHER_ENV, "")) or [sys.executable, "-m", "torch.distributed.run"]
-    config = ["--config_file", str(CONFIGS / "fl_fsdp_cpu.yaml")]
+    config = ["--config_file", str(CONFIGS / "fl_fsdp.yaml"), "--mixed_precision", "no"]  # the GPU config, on CPU
 
     two_nodes = ["--nnodes", "2", "--nproc_per_node", "2"]
 
@@ -153,8 +153,9 @@ def _two_node_launches(host: str, out: Path) -> dict[str, tuple[list[str], Calla
 def test_two_emulated_nodes_train_as_one_host_does_with_accelerate_and_torchrun(tmp_path, one_host):
     """Two nodes of 2 CPU ranks, each a network namespace with its own address and host name (node 0's is the
     rendezvous host), three launches at once on their own ports: the README's ``accelerate launch --num_machines 2
-    --machine_rank R --main_process_ip HOST`` (FL+FSDP, the method's CPU config), ``torchrun --nnodes 2 --node_rank R
-    --rdzv_endpoint HOST:PORT`` (a static rendezvous; FL+HSDP) and the same with ``--rdzv_backend c10d`` (FL+FSDP).
+    --machine_rank R --main_process_ip HOST`` (FL+FSDP, with the GPU config it names, fp32 on CPU), ``torchrun
+    --nnodes 2 --node_rank R --rdzv_endpoint HOST:PORT`` (a static rendezvous; FL+HSDP) and the same with
+    ``--rdzv_backend c10d`` (FL+FSDP).
     Each saves the model the same layout saves from one torchrun on one host, to the bit: gloo's traffic between the
     groups crosses the link between the namespaces, and no rank's place depends on which node it runs on."""
     env = {**launch_env(), **OFFLINE, **study_launch_env()}
@@ -163,15 +164,17 @@ def test_two_emulated_nodes_train_as_one_host_does_with_accelerate_and_torchrun(
         procs = {(name, node): nodes.launch(node, command(node), env, tmp_path / f"{name}-node{node}.log")
                  for name, (_, command) in launches.items() for node in range(2)}  # fmt: skip
         deadline = time.monotonic() + 300
-        while (running := [key for key, p in procs.items() if p.poll() is None]) and time.monotonic() < deadline:
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
             if any(p.returncode not in (None, 0) for p in procs.values()):
-                break
+                break  # a failed launch: its peers would wait for it until their rendezvous timeout
             time.sleep(0.5)
+        codes = {key: p.poll() for key, p in procs.items()}  # None: still running when stopped below
         stop_all(list(procs.values()), 5.0)
     logs = {key: (tmp_path / f"{key[0]}-node{key[1]}.log").read_text()[-3000:] for key in procs}
+    failed = {key: code for key, code in codes.items() if code not in (None, 0)}
+    assert not failed, f"failed: {failed}\n" + "\n".join(logs[key] for key in failed)
+    running = [key for key, code in codes.items() if code is None]
     assert not running, f"still running after 300 s: {running}\n{logs}"
-    for key, proc in procs.items():
-        assert proc.returncode == 0, (key, logs[key])
     for name, (layout, _) in launches.items():
         _assert_same_bits(load_file(tmp_path / name / "model.safetensors"), one_host[layout])
 

@@ -48,6 +48,14 @@ def test_flags_describe_any_cluster_and_a_config_json_counts_as_its_preset(capsy
     assert rows(capsys.readouterr().out) == table
 
 
+def test_the_choice_is_the_smallest_h_within_5_percent_of_the_faster_methods_best(capsys):
+    main(["--preset", "leonardo", "--sync-steps", "4", "8", "16", "32"])
+    out = capsys.readouterr().out
+    fl_fsdp = {int(h): figures[2] for (h, m), figures in rows(out).items() if m == "FL+FSDP"}
+    assert fl_fsdp[32] > fl_fsdp[16] >= 0.95 * fl_fsdp[32] > fl_fsdp[8]  # so the choice is 16, not the largest
+    assert "In this model: FL+FSDP, at H = 16 (" in out
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -55,6 +63,30 @@ def test_flags_describe_any_cluster_and_a_config_json_counts_as_its_preset(capsy
         (["--preset", "leonardo", "--rack-nodes", "5"], "error: --rack-nodes=5 must divide --nodes=16"),
         (["--preset", "leonardo", "--fl-hsdp-nodes", "16"], "error: --fl-hsdp-nodes=16 must divide --nodes=16 into 2"),
         (["--preset", "leonardo", "--model", "llama-70b"], "error: --model=llama-70b is not a preset"),
+        (["--preset", "leonardo", "--nodes", "8"], "error: --fl-hsdp-nodes=8 (its default: --rack-nodes, or 2)"),
+        (["--preset", "leonardo", "--gpus-per-node", "0"], "error: --gpus-per-node=0 must be positive."),
+        (["--preset", "leonardo", "--sync-steps", "8", "0"], "error: --sync-steps [8, 0]: every H must be at least 1"),
+        (
+            [
+                "--nodes",
+                "4",
+                "--gpus-per-node",
+                "4",
+                "--node-gbit",
+                "1",
+                "--intra-gbyte",
+                "1",
+                "--peak-tflops",
+                "1",
+                "--rack-gbit",
+                "5",
+            ],
+            "error: a third tier needs both --rack-nodes",
+        ),
+        (
+            ["--preset", "leonardo", "--config", "/nonexistent/config.json"],
+            "error: --config=/nonexistent/config.json is",
+        ),
     ],
 )
 def test_bad_input_names_the_flag(argv, message):
