@@ -121,14 +121,15 @@ class Cluster:
 
     Args:
         nodes: number of emulated nodes (one namespace each), split into ``racks`` racks of contiguous nodes.
-        rate_mbit: link rate between a node and its rack's switch, in Mbit/s, in each direction.
+        rate_mbit: link rate between a node and its rack's switch, in Mbit/s, in each direction; ``None``: links as
+            fast as the host (no qdisc), for runs that check what a multi-node launch computes, not its speed.
         racks: 1 is a two-tier cluster (one switch); more adds a core switch and a third tier.
         rack_rate_mbit: link rate between a rack's switch and the core, Mbit/s each way (``racks > 1`` only).
         hostnames: give each node a host name of its own that every node resolves (see the module's docstring).
     """
 
     nodes: int
-    rate_mbit: float = 100.0
+    rate_mbit: float | None = 100.0
     racks: int = 1
     rack_rate_mbit: float | None = None
     hostnames: bool = False
@@ -141,8 +142,10 @@ class Cluster:
             raise ValueError(f"racks={self.racks} must divide nodes={self.nodes}: racks hold equal numbers of nodes.")
         if self.nodes < 2:
             raise ValueError(f"nodes={self.nodes}: a cluster needs at least 2 nodes.")
-        if not self.rate_mbit > 0:
-            raise ValueError(f"rate_mbit={self.rate_mbit}: the link rate must be positive (Mbit/s).")
+        if self.rate_mbit is not None and not self.rate_mbit > 0:
+            raise ValueError(
+                f"rate_mbit={self.rate_mbit}: the link rate must be positive (Mbit/s), or None (unshaped)."
+            )
         if self.racks > 1 and not (self.rack_rate_mbit or 0) > 0:
             raise ValueError(f"rack_rate_mbit={self.rack_rate_mbit}: racks={self.racks} needs a positive rack rate.")
         if os.geteuid() != 0:
@@ -200,13 +203,15 @@ class Cluster:
         _ip("-n", name, "link", "add", "br0", "type", "bridge")
         _ip("-n", name, "link", "set", "br0", "up")
 
-    def _link(self, near: str, near_dev: str, switch: str, port: str, rate_mbit: float) -> None:
-        """A veth ``near_dev`` (in ``near``) <-> ``port`` on ``switch``'s bridge, shaped to ``rate_mbit`` each way."""
+    def _link(self, near: str, near_dev: str, switch: str, port: str, rate_mbit: float | None) -> None:
+        """A veth ``near_dev`` (in ``near``) <-> ``port`` on ``switch``'s bridge, shaped to ``rate_mbit`` each way
+        (``None``: not shaped)."""
         _ip("link", "add", near_dev, "netns", near, "type", "veth", "peer", "name", port, "netns", switch)
         _ip("-n", switch, "link", "set", port, "master", "br0")
         for ns, dev in ((switch, port), (near, near_dev)):
             _ip("-n", ns, "link", "set", dev, "up")
-            self._shape(ns, dev, rate_mbit)
+            if rate_mbit is not None:
+                self._shape(ns, dev, rate_mbit)
 
     def _build(self) -> None:
         if self.racks > 1:

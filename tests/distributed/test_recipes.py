@@ -126,7 +126,7 @@ def test_accelerate_configs_are_valid(config):
     assert text.startswith("#"), "each config starts with a comment saying when to use it"
     loaded = load_config_from_file(str(CONFIGS / config))
     assert loaded.distributed_type == "FSDP" and loaded.fsdp_config["fsdp_version"] == 2
-    assert yaml.safe_load(text)["num_processes"] == (4 if config.endswith("_cpu.yaml") else 16)
+    assert yaml.safe_load(text)["num_processes"] == (4 if config.endswith("_cpu.yaml") else 8)
 
 
 HELP = """
