@@ -52,8 +52,9 @@ def missing() -> str | None:
     return f"not installed: {', '.join(absent)} (apt-get install -y slurm-wlm munge)" if absent else None
 
 
-def slurm_conf(folder: Path, cluster: Cluster, compute: list[int]) -> str:
-    """slurm.conf for a controller on node 0 and the ``compute`` nodes, every file under ``folder``."""
+def slurm_conf(folder: Path, spool: Path, cluster: Cluster, compute: list[int]) -> str:
+    """slurm.conf for a controller on node 0 and the ``compute`` nodes, the logs under ``folder``, the state and
+    the daemons' sockets under ``spool`` (a short path: a socket's is at most 108 bytes)."""
     nodes = "\n".join(f"NodeName={cluster.namespace(n)} NodeAddr={cluster.address(n)} CPUs=2 RealMemory=4000 "
                       f"Gres=gpu:{GPUS_PER_NODE}" for n in compute)  # fmt: skip
     return f"""ClusterName=fedshard
@@ -68,8 +69,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MpiDefault=none
-StateSaveLocation={folder}/state
-SlurmdSpoolDir={folder}/spool/%n
+StateSaveLocation={spool}/state
+SlurmdSpoolDir={spool}/%n
 SlurmctldPidFile={folder}/slurmctld.pid
 SlurmdPidFile={folder}/slurmd.%n.pid
 SlurmctldLogFile={folder}/slurmctld.log
@@ -121,17 +122,18 @@ def real_slurm(folder: Path, nodes: int = 2) -> Iterator[dict[str, str]]:
         names = {cluster.namespace(n): cluster.address(n) for n in range(nodes + 1)}
         folder.mkdir(parents=True, exist_ok=True)
         conf = folder / "slurm.conf"
-        conf.write_text(slurm_conf(folder, cluster, compute))
-        (folder / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
-        for index in range(GPUS_PER_NODE):  # slurmd counts GPUs by their device files: null devices stand in
-            os.mknod(folder / f"gpu{index}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-        (folder / "gres.conf").write_text(f"Name=gpu File={folder}/gpu[0-{GPUS_PER_NODE - 1}]\n")
-        for sub in ("state", "spool"):
-            (folder / sub).mkdir(exist_ok=True)
+        spool = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp"))
         env = {**os.environ, "SLURM_CONF": str(conf)}
         procs: list[subprocess.Popen] = []
-        munge = start_munge()
+        munge = None
         try:
+            (spool / "state").mkdir()
+            conf.write_text(slurm_conf(folder, spool, cluster, compute))
+            (folder / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
+            for index in range(GPUS_PER_NODE):  # slurmd counts GPUs by their device files: null devices stand in
+                os.mknod(spool / f"gpu{index}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+            (folder / "gres.conf").write_text(f"Name=gpu File={spool}/gpu[0-{GPUS_PER_NODE - 1}]\n")
+            munge = start_munge()
             with named_in_hosts(names):
                 for n in (0, *compute):
                     daemon = "slurmctld -D" if n == 0 else f"slurmd -D -N {cluster.namespace(n)}"
@@ -147,6 +149,7 @@ def real_slurm(folder: Path, nodes: int = 2) -> Iterator[dict[str, str]]:
                     subprocess.run(in_controller_net(client, "scancel", "--user", "root"), env=client, timeout=30)
         finally:  # each daemon's keeper stops all below it: slurmstepd and the job's processes included
             process_tree.stop_all([*procs, *([munge] if munge is not None else [])], 5.0)
+            shutil.rmtree(spool, ignore_errors=True)
 
 
 def in_controller_net(env: dict[str, str], *command: str) -> list[str]:
@@ -172,8 +175,8 @@ def sbatch(env: dict[str, str], script: Path, out: Path, variables: dict[str, st
     """``sbatch --wait --nodes 2 script`` from the repository, the job's variables exported; its output."""
     log = out / "job.log"
     out.mkdir(parents=True, exist_ok=True)
-    command = in_controller_net(env, "sbatch", "--wait", "--nodes", "2", "--gpus-per-node", str(GPUS_PER_NODE),
-                                "--output", str(log), str(script))  # fmt: skip
+    command = in_controller_net(env, "sbatch", "--wait", "--no-requeue", "--nodes", "2", "--gpus-per-node",
+                                str(GPUS_PER_NODE), "--output", str(log), str(script))  # fmt: skip
     job_env = {**env, "PATH": os.environ["PATH"], "GLOO_SOCKET_IFNAME": "uplink", "OMP_NUM_THREADS": "1",
                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO), **variables}  # fmt: skip
     done = subprocess.run(command, cwd=REPO, env=job_env, capture_output=True, text=True, timeout=timeout_s)
