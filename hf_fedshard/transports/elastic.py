@@ -298,11 +298,13 @@ class ElasticFederation:
     def end(self, new_quorum: Callable[[Round], None], last: Round | None) -> list[int]:
         """END (`hf_fedshard.engine.rounds.end_round`), on the group's first rank's clock (its ranks stop alike)."""
         rank = dist.get_rank(self.group)
+        nccl = dist.get_backend(self.group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-        def clock() -> float:
-            now = [time.monotonic()]
-            dist.broadcast_object_list(now, src=dist.get_global_rank(self.group, 0), group=self.group)
-            return now[0]
+        def clock() -> float:  # a tensor, not a pickled object: a peer's bytes are never unpickled here
+            now = torch.tensor([time.monotonic()], dtype=torch.float64, device=device)
+            dist.broadcast(now, src=dist.get_global_rank(self.group, 0), group=self.group)
+            return now.item()
 
         name = f"fed_group{self.group_id}" if rank == 0 else ""
         return end_round(self, self.heal, new_quorum, last, self.num_groups, self.timeout_s, clock, time.sleep, name)
