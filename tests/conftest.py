@@ -56,7 +56,6 @@ def ddp_4_ranks(tmp_path_factory):
 _seconds_by_folder: dict[str, float] = {}
 _seconds_by_test: dict[str, float] = {}
 _started: list[float] = []
-_server_starts_counted = [0]  # SERVER_STARTS_S already charged
 SUITE_BUDGET_S = 1080  # .ci/run's 20 minutes on a clean clone, less about 2 minutes of install and lint
 LONG_TEST_S = 60  # a test over this says in its docstring why it needs the time
 STUDY_SMOKE_S = 20  # a study's smoke test (tests/studies) runs every stage at its smallest size, in seconds
@@ -70,8 +69,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Say in the report how long this phase spent starting the launch server (it travels to xdist's controller)."""
     report = yield
-    report.user_properties.append(("launch_server_s", sum(SERVER_STARTS_S[_server_starts_counted[0] :])))
-    _server_starts_counted[0] = len(SERVER_STARTS_S)
+    report.user_properties.append(("launch_server_s", sum(SERVER_STARTS_S)))
+    SERVER_STARTS_S.clear()  # charged once
     return report
 
 

@@ -106,7 +106,7 @@ def study_launch_env() -> dict[str, str]:
 
 
 _SERVER: dict = {}  # the session's launch server: "proc", "socket", "pids" (the clients' launcher pids)
-SERVER_STARTS_S: list[float] = []  # how long each start of it took: the suite's report charges it to no test
+SERVER_STARTS_S: list[float] = []  # how long each start took, until the suite's report takes it (to charge no test)
 
 
 def _launch_server() -> tuple[str, str]:

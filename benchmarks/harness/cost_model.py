@@ -7,9 +7,8 @@ planner's (`hf_fedshard.tools.cost`).
 
 from __future__ import annotations
 
-from hf_fedshard.engine.codec import INT8_BLOCK
 from hf_fedshard.engine.sparse import SparseCodec
-from hf_fedshard.tools.cost import topk_bytes_per_value
+from hf_fedshard.tools.cost import DENSE_BYTES_PER_VALUE, topk_bytes_per_value
 from hf_fedshard.topology import FederationLayout
 
 GLOO = 2.0  # torch's gloo reduce_scatter_tensor all-reduces the input: measured by benchmarks/gloo_collectives.py
@@ -24,7 +23,7 @@ def sync_bytes_per_value(sync_dtype: str, settings: dict[str, str] | None = None
         given = {name: cast(settings[f"fed_sync_{name}"]) for name, cast in (("density", float), ("bits", int),
                  ("chunk", int)) if f"fed_sync_{name}" in (settings or {})}  # fmt: skip
         return topk_bytes_per_value(SparseCodec(**given))
-    return {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}[sync_dtype]
+    return DENSE_BYTES_PER_VALUE[sync_dtype]
 
 
 def model_state_bytes_per_rank(params: int, layout: FederationLayout, outer_optimizer: bool = False) -> float:

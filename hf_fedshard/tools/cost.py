@@ -94,6 +94,8 @@ from hf_fedshard.topology import FederationLayout
 
 RING = 1.0  # reduce-scatter bytes as a fraction of an all-reduce's (NCCL ring)
 FEDAVG_BYTES = 4  # hf_fedshard.engine.payload accumulates and sends in fp32 (or wider)
+# b_s of each dense ``fed_sync_dtype``: int8 carries one fp32 scale per block of INT8_BLOCK values
+DENSE_BYTES_PER_VALUE = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}
 
 
 @dataclass(frozen=True)
@@ -578,7 +580,7 @@ def topk_bytes_per_value(codec: SparseCodec) -> float:
 def payload_report(setting: Setting) -> list[str]:
     """Each ``fed_sync_dtype`` on ``setting``: b_s, the inter-node bytes a node sends per averaging under FL+FSDP,
     and FL+FSDP's and FL+HSDP's speedups over FSDP (serial model)."""
-    payloads = [("float32", 4.0, False), ("bfloat16", 2.0, False), ("int8", 1 + 4 / INT8_BLOCK, False)]
+    payloads = [(name, per_value, False) for name, per_value in DENSE_BYTES_PER_VALUE.items()]
     payloads += [(f"topk {d:g}, {b} bits, chunk 4096", topk_bytes_per_value(SparseCodec(d, b, 4096)), True)
                  for d, b in ((0.01, 2), (0.03, 2), (0.01, 8))]  # fmt: skip
     groups = setting.world_size // setting.fl_fsdp_group

@@ -26,8 +26,8 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from hf_fedshard.engine.codec import INT8_BLOCK
 from hf_fedshard.tools.cost import (
+    DENSE_BYTES_PER_VALUE,
     LEONARDO_CELL_NODES,
     LEONARDO_NVLINK_BYTES_S,
     LEONARDO_PAIR_GBIT,
@@ -40,7 +40,6 @@ from hf_fedshard.tools.cost import (
 from hf_fedshard.tools.models import PRESETS as MODEL_SIZES
 
 LLAMA3_VOCAB = 128_256
-PAYLOAD_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}  # int8: one fp32 scale per block
 
 # Named clusters: every field a flag can override. ``paper`` is the README's projection of the paper's setting
 # (Llama 3.1 8B on 512 A100 = 128 nodes × 4 of Leonardo's Booster, cells of 8 nodes assumed, FedAvg in bf16 as the
@@ -67,30 +66,22 @@ REQUIRED = ("nodes", "gpus_per_node", "node_gbit", "intra_gbyte", "peak_tflops")
 
 def model_cost(model: str | None, config: Path | None, payload: str) -> tuple[ModelCost, str]:
     """The model's bytes per step (a preset of ``--model_size``, or a Hub ``config.json``) and its name."""
-    if config is not None:
-        try:
-            c = json.loads(config.read_text())
-            dims = dict(hidden=c["hidden_size"], intermediate=c["intermediate_size"], layers=c["num_hidden_layers"],
-                        heads=c["num_attention_heads"], kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
-                        vocab=c["vocab_size"], tied=c.get("tie_word_embeddings", False))  # fmt: skip
-        except (OSError, ValueError, KeyError) as err:
-            raise SystemExit(f"error: --config={config} is not a Llama-shaped config.json ({type(err).__name__}: "
-                             f"{err}); give a decoder's config.json or --model with a preset.") from None  # fmt: skip
-        name = str(config)
-    else:
-        if model not in MODEL_SIZES:
-            raise SystemExit(f"error: --model={model} is not a preset: choose one of {', '.join(MODEL_SIZES)}, or give "
-                             "--config with a Hub model's config.json.")  # fmt: skip
-        s = MODEL_SIZES[model]
-        dims = dict(hidden=s["hidden_size"], intermediate=s["intermediate_size"], layers=s["num_hidden_layers"],
-                    heads=s["num_attention_heads"], kv_heads=s["num_key_value_heads"], vocab=LLAMA3_VOCAB,
-                    tied=s.get("tie_word_embeddings", False))  # fmt: skip
-        name = model
-    params, once = llama_parameters(**dims)
-    cost = ModelCost(
-        params, once, units=dims["layers"] + 2, param_bytes=2, grad_bytes=4, sync_bytes=PAYLOAD_BYTES[payload]
-    )
-    return cost, name
+    if config is None and model not in MODEL_SIZES:
+        raise SystemExit(f"error: --model={model} is not a preset: choose one of {', '.join(MODEL_SIZES)}, or give "
+                         "--config with a Hub model's config.json.")  # fmt: skip
+    try:  # a preset holds a config.json's keys but the vocabulary, Llama 3's for these sizes
+        c = json.loads(config.read_text()) if config is not None else {**MODEL_SIZES[model], "vocab_size": LLAMA3_VOCAB}
+        params, once = llama_parameters(
+            hidden=c["hidden_size"], intermediate=c["intermediate_size"], layers=c["num_hidden_layers"],
+            heads=c["num_attention_heads"], kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+            vocab=c["vocab_size"], tied=c.get("tie_word_embeddings", False),
+        )  # fmt: skip
+    except (OSError, ValueError, KeyError) as err:
+        raise SystemExit(f"error: --config={config} is not a Llama-shaped config.json ({type(err).__name__}: "
+                         f"{err}); give a decoder's config.json or --model with a preset.") from None  # fmt: skip
+    cost = ModelCost(params, once, units=c["num_hidden_layers"] + 2, param_bytes=2, grad_bytes=4,
+                     sync_bytes=DENSE_BYTES_PER_VALUE[payload])  # fmt: skip
+    return cost, str(config) if config is not None else model
 
 
 def check_values(values: dict) -> None:
@@ -111,9 +102,9 @@ def check_values(values: dict) -> None:
         raise SystemExit(f"error: --rack-nodes={rack} must divide --nodes={values['nodes']}.")
 
 
-def setting_from(args: argparse.Namespace) -> tuple[Setting, str, list[int]]:
-    """The cost model's `Setting` for the flags (a preset's values where a flag is not given), the model's name and
-    the values of H."""
+def setting_from(args: argparse.Namespace) -> tuple[Setting, str, list[int], str]:
+    """The cost model's `Setting` for the flags (a preset's values where a flag is not given), the model's name, the
+    values of H and the payload."""
     given = {k: v for k, v in vars(args).items() if v is not None}
     values = {**DEFAULTS, **CLUSTERS.get(args.preset, {}), **given}
     missing = [f"--{name.replace('_', '-')}" for name in REQUIRED if values.get(name) is None]
@@ -142,7 +133,7 @@ def setting_from(args: argparse.Namespace) -> tuple[Setting, str, list[int]]:
                       fl_hsdp_group=hsdp_nodes * gpn, fl_hsdp_shard=gpn, tokens_per_rank=values["tokens_per_gpu"],
                       peak_flop_s=values["peak_tflops"] * 1e12, mfu=values["mfu"], network=network,
                       nodes_per_rack=rack)  # fmt: skip
-    return setting, name, values["sync_steps"]
+    return setting, name, values["sync_steps"], values["payload"]
 
 
 def plan(setting: Setting, model_name: str, sync_steps: list[int], payload: str) -> str:
@@ -212,7 +203,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-gpu", type=int, help="Tokens per GPU per optimizer step (default 4096).")
     p.add_argument("--peak-tflops", type=float, help="The GPU's dense bf16 TFLOP/s (A100 312, H100 SXM 989).")
     p.add_argument("--mfu", type=float, help="Model FLOP utilisation of the compute (default 0.4).")
-    p.add_argument("--payload", choices=list(PAYLOAD_BYTES), help="--fed_sync_dtype of FedAvg (default float32).")
+    p.add_argument(
+        "--payload", choices=list(DENSE_BYTES_PER_VALUE), help="--fed_sync_dtype of FedAvg (default float32)."
+    )
     p.add_argument("--sync-steps", type=int, nargs="+", help="The values of H to compare (default 4 8 16 32).")
     p.add_argument("--fl-fsdp-nodes", type=int, help="Nodes per FL+FSDP group (default 1).")
     p.add_argument("--fl-hsdp-nodes", type=int, help="Nodes per FL+HSDP group (default: a rack, or 2).")
@@ -223,9 +216,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
-    setting, name, sync_steps = setting_from(args)
-    payload = args.payload or CLUSTERS.get(args.preset, {}).get("payload") or DEFAULTS["payload"]
-    print(plan(setting, name, sync_steps, payload))
+    print(plan(*setting_from(args)))
 
 
 if __name__ == "__main__":

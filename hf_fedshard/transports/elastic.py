@@ -298,11 +298,9 @@ class ElasticFederation:
     def end(self, new_quorum: Callable[[Round], None], last: Round | None) -> list[int]:
         """END (`hf_fedshard.engine.rounds.end_round`), on the group's first rank's clock (its ranks stop alike)."""
         rank = dist.get_rank(self.group)
-        nccl = dist.get_backend(self.group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
         def clock() -> float:  # a tensor, not a pickled object: a peer's bytes are never unpickled here
-            now = torch.tensor([time.monotonic()], dtype=torch.float64, device=device)
+            now = torch.tensor([time.monotonic()], dtype=torch.float64, device=self.quorum.device)  # the group's
             dist.broadcast(now, src=dist.get_global_rank(self.group, 0), group=self.group)
             return now.item()
 

@@ -35,10 +35,7 @@ from ..launch import REPO, finish, launch_env, start, start_torchrun, study_laun
 from .test_recipes import CONFIGS, OFFLINE
 
 FAKE = REPO / "tests" / "fake_slurm"
-TRAIN = ["--model_size", "micro", "--block_size", "64", "--per_device_train_batch_size", "2", "--max_steps", "4",
-         "--max_eval_samples", "8", "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none",
-         "--disable_tqdm", "true"]  # fmt: skip
-FED = ["--fed_group_size", "2", "--fed_sync_steps", "2"]  # FL+FSDP: 2 groups of 2 ranks
+TRAIN, FED = real_slurm.TRAIN, real_slurm.FED  # the run the real SLURM submits too; FED: FL+FSDP, 2 groups of 2 ranks
 FL_HSDP = [*FED, "--fed_shard_size", "1"]  # FL+HSDP: 2 groups of 2 replicas of 1 shard
 RECIPE = REPO / "recipes" / "pretrain_clm.py"
 NETNS = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="emulated nodes need root, iproute2")
